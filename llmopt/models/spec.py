@@ -1,0 +1,135 @@
+"""ModelSpec: the architecture facts every command needs (memory plans, the engine, quantization)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from llmopt.errors import LlmoptError
+
+# model_type -> does it carry a bias on q/k/v
+SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}
+SUPPORTED_HINT = "supported architectures: llama (Llama 2/3, SmolLM2), mistral, qwen2"
+
+
+class ModelSpec(BaseModel):
+    """A llama-family decoder, normalized from a Hugging Face `config.json` (or GGUF metadata)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    dtype: str = "float16"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = []
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
+        """Normalize a transformers config dict. Accepts transformers 4.x and 5.x rope layouts."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = ",".join(cfg.get("architectures") or []) or "unknown"
+            raise LlmoptError(f"unsupported architecture model_type={model_type!r} ({archs}); {SUPPORTED_HINT}")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            inter = int(cfg["intermediate_size"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise LlmoptError(f"config.json lacks required key {e.args[0]!r}") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise LlmoptError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        rope = cfg.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling")
+        if rope and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "linear"):
+                raise LlmoptError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        eos = cfg.get("eos_token_id")
+        eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
+        attention_bias = bool(cfg.get("attention_bias", SUPPORTED_MODEL_TYPES[model_type]))
+        if model_type == "qwen2":
+            attention_bias = True
+        return cls(
+            model_type=model_type,
+            num_layers=layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            dtype=dtype,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_list,
+        )
+
+    # ---- derived sizes -------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of every per-layer Linear, in Hugging Face naming."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "self_attn.q_proj": (self.q_size, h),
+            "self_attn.k_proj": (self.kv_size, h),
+            "self_attn.v_proj": (self.kv_size, h),
+            "self_attn.o_proj": (h, self.q_size),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
+        }
+
+    def layer_linear_params(self) -> int:
+        return sum(o * i for o, i in self.linear_shapes().values())
+
+    def layer_other_params(self) -> int:
+        """Norm weights and q/k/v biases of one decoder layer."""
+        bias = (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
+        return 2 * self.hidden_size + bias
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def lm_head_params(self) -> int:
+        """Zero when tied: the embedding matrix is stored once."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    def num_params(self) -> int:
+        """Exact parameter count (tied embeddings counted once)."""
+        per_layer = self.layer_linear_params() + self.layer_other_params()
+        return self.embedding_params() + self.lm_head_params() + self.num_layers * per_layer + self.hidden_size

@@ -1,0 +1,112 @@
+"""Write a tiny random-weight llama-family model (config, safetensors, tokenizer) to a directory.
+
+Tests use it so that most of the suite runs in seconds without the real SmolLM2. The tokenizer is a
+byte-level BPE trained on a few lines of text, so it is self-contained and works offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A KV cache stores keys and values for every token of every sequence.",
+    "Quantization trades a little quality for memory bandwidth and speed.",
+    "Continuous batching schedules new requests at every step.",
+    "def add(a, b):\n    return a + b\n",
+    "0123456789 +-*/=()[]{}<>,.;:!?'\"",
+]
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_llama(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    model_type: str = "llama",
+    tie_word_embeddings: bool = True,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Create a random-weight model directory that both transformers and llmopt load."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM"}[model_type]],
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "vocab_size": len(tok),
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "torch_dtype": dtype,
+    }
+    if rope_scaling:
+        cfg["rope_scaling"] = rope_scaling
+    if model_type == "mistral":
+        cfg["sliding_window"] = None
+    config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger-than-default init so that logits are not all ties
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    # keep our own config keys too (transformers 5 rewrites rope fields; both layouts are supported)
+    saved = json.loads((out / "config.json").read_text())
+    saved.setdefault("torch_dtype", dtype)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    return out
