@@ -1,0 +1,169 @@
+"""Block manager: a free list, reference counts and a prefix cache over the paged KV pool.
+
+A full block is identified by a chained hash of (parent block's hash, its own token ids), so a hit on
+block i implies the whole prefix up to i matches; the tokens are verified on every hit anyway, because
+Python's hash can collide. Blocks freed with a hash stay resident as evictable cache, evicted LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from llmopt.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref_count 0 but hashed, LRU first
+        self.hash_to_block: dict[int, int] = {}
+        # counters for metrics (tokens, like vLLM's prefix_cache_queries / hits)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- accounting -------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences (evictable cache counts as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- hashing ------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_full: int) -> list[int]:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
+        return hashes[:num_full]
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks. At least one token is always left
+        to compute, because the last prompt token's logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return []
+        max_full = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(self._block_hashes(seq, max_full)):
+            bid = self.hash_to_block.get(h)
+            if bid is None:
+                break
+            block = self.blocks[bid]
+            if block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break  # hash collision: treat as a miss
+            hits.append(bid)
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits
+
+    # ---- allocation ---------------------------------------------------------
+    def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
+        """Can a new sequence take `hits` from the cache and hold `num_tokens` tokens in total?"""
+        from_evictable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        fresh = self.blocks_needed(num_tokens) - len(hits)
+        return fresh + from_evictable <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                self.evictable.pop(bid, None)
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.metrics.num_cached_tokens = seq.num_computed_tokens
+        self._grow(seq, num_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def _take_free(self) -> int:
+        if self.free_ids:
+            bid = self.free_ids.popleft()
+        else:
+            bid, _ = self.evictable.popitem(last=False)  # least recently used cached block
+            block = self.blocks[bid]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+        block = self.blocks[bid]
+        assert block.ref_count == 0, f"block {bid} handed out while in use"
+        block.ref_count = 1
+        return bid
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks whose tokens are all computed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_hashed_blocks:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        bs = self.block_size
+        for i in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if hashes[i] not in self.hash_to_block:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.hash_to_block[hashes[i]] = block.block_id
+        seq.num_hashed_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks. Tail blocks are released first so they are evicted first."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {bid} freed twice"
+            if block.ref_count == 0:
+                if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+                    self.evictable[bid] = None
+                else:
+                    block.hash = None
+                    block.token_ids = None
+                    self.free_ids.append(bid)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every evictable cached block (used by benchmarks to compare cold runs)."""
+        for bid in list(self.evictable):
+            block = self.blocks[bid]
+            self.hash_to_block.pop(block.hash, None)
+            block.hash = None
+            block.token_ids = None
+            self.free_ids.append(bid)
+        self.evictable.clear()

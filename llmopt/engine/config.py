@@ -1,0 +1,43 @@
+"""EngineConfig: every knob of the engine, validated once at the edge (CLI, server, recipe, Python)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from llmopt.units import parse_bytes
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # alias, HF dir or .gguf; None = the embedded SmolLM2-135M
+    dtype: str = "auto"  # auto|float32|bfloat16|float16
+    device: str = "auto"  # auto|cpu|cuda|cuda:N
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1)
+    speculative: dict[str, Any] | None = None
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _mem(cls, v):
+        return None if v is None else parse_bytes(v)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        allowed = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+        if v not in allowed:
+            raise ValueError(f"dtype must be one of {', '.join(allowed)}")
+        return v

@@ -1,0 +1,87 @@
+"""LLM: the offline facade over LLMEngine, mirroring vLLM's `LLM.generate` / `LLM.chat`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from llmopt.engine.config import EngineConfig
+from llmopt.engine.llm_engine import LLMEngine
+from llmopt.engine.outputs import RequestOutput
+from llmopt.engine.sampling_params import SamplingParams
+
+PromptLike = str | list[int] | dict[str, Any]
+
+
+def _normalize_prompts(prompts) -> list[PromptLike]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one list of token ids
+    return prompts
+
+
+class LLM:
+    """`LLM("smollm2-135m", dtype="float32", max_num_seqs=64, enable_prefix_caching=True)`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs keep the input order."""
+        items = _normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError("sampling_params must be one object or one per prompt")
+        ids = []
+        for i, (item, p) in enumerate(zip(items, params, strict=True)):
+            prio = priority[i] if priority else 0
+            if isinstance(item, str):
+                rid = self.engine.add_request(None, prompt=item, params=p, priority=prio)
+            elif isinstance(item, dict):
+                rid = self.engine.add_request(None, prompt=item.get("prompt"),
+                                              prompt_token_ids=item.get("prompt_token_ids"), params=p,
+                                              priority=prio)
+            else:
+                rid = self.engine.add_request(None, prompt_token_ids=list(item), params=p, priority=prio)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
+                   for text in (self.engine.apply_chat_template(c) for c in convs)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            progress = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), transient=True)
+            task = progress.add_task("generating", total=len(request_ids))
+            progress.start()
+        try:
+            wanted = set(request_ids)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if progress:
+                            progress.advance(task)
+        finally:
+            if progress:
+                progress.stop()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,333 @@
+"""LLMEngine: add_request / step / abort_request over the scheduler, block manager and model runner.
+
+One engine core serves `serve`, `bench` and `eval`. `step()` runs one batch and returns a RequestOutput
+for every request that produced text or finished, with incremental `delta_text` for streaming, and
+reports a `StepStats` to every registered listener (Prometheus metrics, benchmarks, logs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from llmopt.engine.block_manager import BlockManager
+from llmopt.engine.config import EngineConfig
+from llmopt.engine.detokenizer import detokenize_step, init_offsets
+from llmopt.engine.model_runner import ModelRunner
+from llmopt.engine.outputs import CompletionOutput, RequestOutput
+from llmopt.engine.sampling_params import SamplingParams
+from llmopt.engine.scheduler import Scheduler
+from llmopt.engine.sequence import Sequence, SequenceStatus
+from llmopt.engine.stats import FinishedRequest, StepStats
+from llmopt.errors import LlmoptError
+from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.models.loader import load_model, parse_dtype
+from llmopt.models.resolve import resolve_model, weights_dir
+
+DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
+
+
+class RequestError(LlmoptError):
+    """A request the engine can never serve (too long, bad parameters). Servers answer 400."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    deadline: float | None = None
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LlmoptError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.resolved = resolve_model(config.model)
+        self.spec = self.resolved.spec
+        self.device = resolve_device(config.device)
+        self.dtype = parse_dtype(config.dtype, self.spec.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.float16 and config.dtype == "auto":
+            self.dtype = torch.float32  # fp16 matmuls are emulated and slow on CPUs
+        self.model = load_model(self.resolved, self.dtype, self.device)
+        self.weights_dir = weights_dir(self.resolved)
+        self.tokenizer = _load_tokenizer(self.weights_dir)
+        self.eos_token_ids = _eos_ids(self.weights_dir, self.tokenizer, self.spec.eos_token_id)
+        s = self.spec
+        per_block = PagedKVCache.bytes_per_block(s.num_layers, config.block_size, s.num_kv_heads, s.head_dim,
+                                                 self.dtype, config.kv_cache_dtype)
+        self.num_blocks = self._num_blocks(per_block)
+        self.kv_cache = PagedKVCache(s.num_layers, self.num_blocks, config.block_size, s.num_kv_heads,
+                                     s.head_dim, self.dtype, self.device, config.kv_cache_dtype)
+        self.kv_cache_bytes = per_block * self.num_blocks
+        limit = config.max_model_len or s.max_position_embeddings
+        self.max_model_len = min(limit, s.max_position_embeddings, self.num_blocks * config.block_size)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.scheduling_policy)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._pending_finished: list[FinishedRequest] = []
+        self.stat_listeners: list[Callable[[StepStats], None]] = []
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+        self._next_id = 0
+
+    def _num_blocks(self, per_block: int) -> int:
+        c = self.config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            n = c.kv_cache_memory // per_block
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            n = int(free * 0.85 - 1024**3) // per_block
+        else:
+            n = DEFAULT_CPU_KV_MEMORY // per_block
+        if n < 1:
+            raise LlmoptError(f"KV cache memory is too small for one block of {c.block_size} tokens "
+                              f"({per_block} bytes)")
+        return int(n)
+
+    # ---- requests -----------------------------------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not messages:
+            raise RequestError("messages must not be empty")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors for malformed messages
+            raise RequestError(f"cannot apply the chat template: {e}") from None
+
+    def add_request(self, request_id: str | None = None, prompt: str | None = None,
+                    params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    deadline: float | None = None) -> str:
+        """Queue a request. Refuses (RequestError) what could never run: empty or too-long prompts."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.encode_prompt(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.spec.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, but this engine serves at most "
+                               f"{self.max_model_len} tokens per sequence (max_model_len, KV pool of "
+                               f"{self.num_blocks} blocks × {self.config.block_size})")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(request_id, i, ids, params, arrival, priority, tuple(self.eos_token_ids))
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            init_offsets(seq)
+            seqs.append(seq)
+        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, deadline)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request now and free its KV blocks. Returns False if it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, reason)
+        self._pending.append(self._make_output(req, req.seqs))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return sum(1 for r in self.requests.values() if not r.finished)
+
+    # ---- the step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        self._expire_deadlines(t0)
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        outputs = self._pending
+        self._pending = []
+        finished_stats, self._pending_finished = self._pending_finished, []
+        new_tokens: list[tuple[str, float]] = []
+        prepare = forward = sample = 0.0
+        n_prefill = n_decode = 0
+        if not sched.empty:
+            res = self.runner.execute(sched.scheduled)
+            prepare, forward, sample = res.prepare_time, res.forward_time, res.sample_time
+            n_prefill, n_decode = res.num_prefill_tokens, res.num_decode_tokens
+            for seq, n in sched.scheduled:
+                seq.num_computed_tokens += n
+                self.block_manager.commit_full_blocks(seq)
+            now = time.perf_counter()
+            touched: dict[str, _Request] = {}
+            for seq, token, lp in res.sampled:
+                self._append_token(seq, token, lp, now)
+                new_tokens.append((seq.request_id, now))
+                touched[seq.request_id] = self.requests[seq.request_id]
+            for req in touched.values():
+                outputs.append(self._make_output(req, req.seqs))
+        t2 = time.perf_counter()
+        for req_out in outputs:
+            if req_out.finished:
+                self.requests.pop(req_out.request_id, None)
+        finished_stats.extend(self._pending_finished)
+        self._pending_finished = []
+        self._report(sched, t0, t1, t2, prepare, forward, sample, n_prefill, n_decode, new_tokens,
+                     finished_stats)
+        return outputs
+
+    def _expire_deadlines(self, now: float) -> None:
+        for req in list(self.requests.values()):
+            if req.deadline is not None and not req.finished and now > req.deadline:
+                self.abort_request(req.request_id, reason="timeout")
+
+    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:
+        seq.token_ids.append(token)
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(lp)
+        p = seq.params
+        delta = detokenize_step(self.tokenizer, seq, p.skip_special_tokens)
+        n_out = seq.num_output_tokens
+        before = len(seq.output_text)
+        seq.output_text += delta
+        if n_out >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                seq.stop_reason = None
+                return self._finish(seq, "stop")
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return self._finish(seq, "stop")
+            if p.stop and self._check_stop_strings(seq, before):
+                return self._finish(seq, "stop")
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+
+    def _check_stop_strings(self, seq: Sequence, before: int) -> bool:
+        text = seq.output_text
+        for stop in seq.params.stop:
+            idx = text.find(stop, max(0, before - len(stop) + 1))
+            if idx != -1:
+                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.output_text = text[:end]
+                seq.stop_reason = stop
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.metrics.finished_time = time.perf_counter()
+        req = self.requests[seq.request_id]
+        if all(s.is_finished for s in req.seqs):
+            req.finished = True
+            for s in req.seqs:
+                self._pending_finished.append(FinishedRequest(req.request_id, s.finish_reason or reason,
+                                                              s.num_prompt_tokens, s.num_output_tokens,
+                                                              s.metrics))
+
+    def _visible_text(self, seq: Sequence) -> str:
+        """Text safe to stream: hold back a tail that could still become a stop string."""
+        text = seq.output_text
+        if seq.is_finished or not seq.params.stop or seq.params.include_stop_str_in_output:
+            return text
+        hold = 0
+        for stop in seq.params.stop:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        return text[:len(text) - hold] if hold else text
+
+    def _make_output(self, req: _Request, seqs: list[Sequence]) -> RequestOutput:
+        comps = []
+        for seq in seqs:
+            visible = self._visible_text(seq)
+            delta = visible[seq.sent_text_len:]
+            seq.sent_text_len = max(seq.sent_text_len, len(visible))
+            comps.append(CompletionOutput(seq.index, visible, list(seq.output_token_ids), seq.finish_reason,
+                                          seq.stop_reason, seq.logprobs, delta))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
+                             seqs[0].metrics, seqs[0].metrics.num_cached_tokens)
+
+    def _report(self, sched, t0, t1, t2, prepare, forward, sample, n_prefill, n_decode, new_tokens,
+                finished) -> None:
+        if not self.stat_listeners:
+            return
+        bm = self.block_manager
+        q0, h0 = self._last_prefix
+        self._last_prefix = (bm.prefix_queries, bm.prefix_hits)
+        pre = self.scheduler.num_preemptions - self._last_preemptions
+        self._last_preemptions = self.scheduler.num_preemptions
+        stats = StepStats(
+            now=t2, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_queries - q0,
+            prefix_cache_hits=bm.prefix_hits - h0, num_preemptions=pre, batch_size=len(sched.scheduled),
+            num_prefill_tokens=n_prefill, num_decode_tokens=n_decode, schedule_time=t1 - t0,
+            prepare_time=prepare, forward_time=forward, sample_time=sample,
+            postprocess_time=max(0.0, (t2 - t1) - prepare - forward - sample), step_time=t2 - t0,
+            new_tokens=new_tokens, finished=finished)
+        for listener in self.stat_listeners:
+            listener(stats)
+
+
+def _load_tokenizer(directory):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:
+        raise LlmoptError(f"cannot load the tokenizer from {directory}: {str(e).splitlines()[0]}") from None
+
+
+def _eos_ids(directory, tokenizer, spec_eos: list[int]) -> list[int]:
+    ids: list[int] = list(spec_eos)
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids.extend(eos if isinstance(eos, list) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))

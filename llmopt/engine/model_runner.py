@@ -1,0 +1,119 @@
+"""ModelRunner: turns a scheduled step into flat tensors, runs the model, and samples.
+
+Sequences are laid out prefill chunks first, then single-token decodes, so attention can batch all
+decodes in one call. Only positions that end a sequence's known tokens produce logits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.engine.sampler import SamplingRow, sample
+from llmopt.engine.sequence import Sequence
+from llmopt.layers.attention import AttentionMetadata, PrefillChunk
+from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepResult:
+    sampled: list[tuple[Sequence, int, dict[int, float] | None]]  # (sequence, new token, logprobs)
+    prepare_time: float
+    forward_time: float
+    sample_time: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_size: int, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.block_size = block_size
+        self.device = device
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """Build input ids, positions and attention metadata. Returns (ids, pos, meta, logit_rows, seqs)."""
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        dev = self.device
+        meta_prefills = []
+        for seq, n in prefills:
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            slots.extend(self._slots(seq.block_table, c, c + n))
+            ctx = c + n
+            if c == 0:
+                chunk = PrefillChunk(n, ctx, torch.empty(0, dtype=torch.long), None)
+                if self.cache.quantized:
+                    chunk.slots = torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long, device=dev)
+            else:
+                q_pos = torch.arange(c, ctx, device=dev).unsqueeze(1)
+                k_pos = torch.arange(ctx, device=dev).unsqueeze(0)
+                chunk = PrefillChunk(n, ctx, torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long,
+                                                          device=dev), k_pos <= q_pos)
+            meta_prefills.append(chunk)
+            if ctx == seq.num_tokens:
+                logit_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        num_prefill_tokens = len(ids)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=meta_prefills,
+                                 num_prefill_tokens=num_prefill_tokens)
+        if decodes:
+            bs = self.block_size
+            ctx_lens = []
+            tables = []
+            for seq, _ in decodes:
+                c = seq.num_computed_tokens
+                ids.append(seq.token_ids[c])
+                pos.append(c)
+                slots.append(seq.block_table[c // bs] * bs + c % bs)
+                ctx_lens.append(c + 1)
+                tables.append(seq.block_table)
+                if c + 1 == seq.num_tokens:
+                    logit_rows.append(len(ids) - 1)
+                    sample_seqs.append(seq)
+            max_ctx = max(ctx_lens)
+            max_blocks = -(-max_ctx // bs)
+            bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
+                              dtype=torch.long, device=dev)
+            p = torch.arange(max_ctx, device=dev)
+            meta.decode_slots = bt[:, p // bs] * bs + (p % bs)
+            lens = torch.tensor(ctx_lens, device=dev)
+            meta.decode_mask = (p.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, logit_rows, sample_seqs, num_prefill_tokens, len(decodes)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
+        t0 = time.perf_counter()
+        input_ids, positions, meta, rows, seqs, n_prefill, n_decode = self.prepare(scheduled)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.cache, meta)
+        sampled: list[tuple[Sequence, int, dict[int, float] | None]] = []
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            t2 = time.perf_counter()
+            srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
+                                 s.generator) for s in seqs]
+            tokens, lps = sample(logits, srows)
+            sampled = list(zip(seqs, tokens, lps, strict=True))
+        else:
+            t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        return StepResult(sampled, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode)

@@ -1,0 +1,112 @@
+"""Sampler: penalties, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+
+Rows that are greedy and need nothing else take a plain argmax (the common fast path). Sampling uses the
+exponential-race trick (argmax of p / E with E ~ Exp(1)), which equals a categorical draw and lets each
+request use its own seeded generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    stop_ids: tuple[int, ...]  # eos + stop_token_ids, masked until min_tokens is reached
+    generator: torch.Generator | None
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = r.token_ids[r.num_prompt_tokens:]
+            if out:
+                ids = torch.tensor(out, dtype=torch.long, device=logits.device)
+                counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+                    0, ids, torch.ones_like(ids, dtype=torch.float32))
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens and r.stop_ids:
+            logits[i, list(r.stop_ids)] = float("-inf")
+
+
+def _needs_processing(p: SamplingParams, num_out: int) -> bool:
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or (p.min_tokens > 0 and num_out < p.min_tokens))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits: [N, V] float32 (one row per sequence). Returns the chosen token ids and, per row, the
+    top-n logprobs (plus the chosen token) of the model's raw distribution, or None."""
+    want_logprobs = [r.params.logprobs is not None for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    if any(_needs_processing(r.params, len(r.token_ids) - r.num_prompt_tokens) for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+    greedy = [r.params.greedy for r in rows]
+    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    g_idx = [i for i, g in enumerate(greedy) if g]
+    if g_idx:
+        if len(g_idx) == len(rows):
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen[g_idx] = logits[g_idx].argmax(dim=-1)
+    s_idx = [i for i, g in enumerate(greedy) if not g]
+    if s_idx:
+        chosen[s_idx] = _sample_rows(logits[s_idx], [rows[i] for i in s_idx])
+    token_ids = chosen.tolist()
+    out_lp: list[dict[int, float] | None] = []
+    for i, r in enumerate(rows):
+        if not want_logprobs[i]:
+            out_lp.append(None)
+            continue
+        n = r.params.logprobs or 0
+        d: dict[int, float] = {}
+        if n:
+            vals, ids = raw_logprobs[i].topk(n)
+            d.update(zip(ids.tolist(), vals.tolist(), strict=True))
+        d[token_ids[i]] = float(raw_logprobs[i, token_ids[i]])
+        out_lp.append(d)
+    return token_ids, out_lp
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        vocab = logits.shape[1]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+        remove = ranks >= ks
+        ps = torch.tensor(top_p, device=dev).unsqueeze(1)
+        cum = probs.cumsum(dim=-1)
+        remove |= (cum - probs) > ps  # keep the smallest prefix whose mass reaches top_p
+        mp = torch.tensor(min_p, device=dev).unsqueeze(1)
+        remove |= probs < mp * probs[:, :1]
+        remove[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        noise[i].exponential_(generator=r.generator)
+    return (probs / noise).argmax(dim=-1)

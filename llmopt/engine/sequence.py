@@ -1,0 +1,76 @@
+"""Sequence: one stream of tokens being generated, with its KV block table and bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from llmopt.engine.outputs import RequestMetrics
+from llmopt.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    """Tokens = prompt + generated. `num_computed_tokens` of them have their K/V in the cache."""
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = ()):
+        self.seq_id = next(_counter)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, computed lazily
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.priority = priority
+        self.arrival_order = self.seq_id
+        self.eos_token_ids = eos_token_ids
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        # incremental detokenization state
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.sent_text_len = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def stop_ids_for_min_tokens(self) -> tuple[int, ...]:
+        """Token ids that must not be sampled before `min_tokens` outputs exist."""
+        return tuple(self.eos_token_ids) + tuple(self.params.stop_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")

@@ -1,0 +1,1 @@
+"""Building blocks of our llama-family forward: norms, rotary embeddings, paged attention, sampling."""

@@ -1,0 +1,75 @@
+"""Attention over the paged KV cache.
+
+Tokens of one engine step arrive flattened: first the prefill chunks (one sequence each, several query
+tokens), then the decode tokens (one query token each). Decodes are batched into one gather + SDPA call;
+each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix. Gather indices and
+masks are built once per step in `AttentionMetadata` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.layers.kv_cache import PagedKVCache
+
+
+@dataclass
+class PrefillChunk:
+    q_len: int
+    ctx_len: int  # cached prefix + this chunk
+    slots: torch.Tensor  # [ctx_len] cache slots of the whole context
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    decode_slots: torch.Tensor | None = None  # [B, max_ctx] gather indices (padding -> slot 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.gqa = num_heads != num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H*D]."""
+        cache.write(self.layer_idx, k, v, meta.slot_mapping)
+        outs = []
+        start = 0
+        for chunk in meta.prefills:
+            end = start + chunk.q_len
+            qc = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            if chunk.mask is None and not cache.quantized:
+                kc, vc = k[start:end], v[start:end]
+            else:
+                kc, vc = cache.read(self.layer_idx, chunk.slots)
+            kc = kc.transpose(0, 1).unsqueeze(0)
+            vc = vc.transpose(0, 1).unsqueeze(0)
+            if chunk.mask is None:
+                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.gqa)
+            else:
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=self.scale,
+                                                   enable_gqa=self.gqa)
+            outs.append(o.squeeze(0).transpose(0, 1).reshape(chunk.q_len, -1))
+            start = end
+        if meta.decode_slots is not None:
+            qd = q[start:].unsqueeze(2)  # [B, H, 1, D]
+            kd, vd = cache.read(self.layer_idx, meta.decode_slots)  # [B, C, Hkv, D]
+            o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                               attn_mask=meta.decode_mask, scale=self.scale,
+                                               enable_gqa=self.gqa)
+            outs.append(o.reshape(qd.shape[0], -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

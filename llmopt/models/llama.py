@@ -1,0 +1,105 @@
+"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2): the only model implementation in llmopt.
+
+Projections are fused (qkv, gate_up) to cut kernel launches and weight reads; every projection is a
+swappable Linear (see `llmopt.layers.linear`), so quantized modules drop in without touching this file.
+The forward takes a flat batch of tokens from many sequences plus `AttentionMetadata` for the paged cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.layers.attention import AttentionMetadata, PagedAttention
+from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.layers.linear import FusedLinear
+from llmopt.layers.norm import RMSNorm
+from llmopt.layers.rotary import RotaryEmbedding
+from llmopt.models.spec import ModelSpec
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.qkv_proj = FusedLinear(spec.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                       "v_proj": self.kv_size},
+                                    bias=spec.attention_bias, dtype=dtype, device=device)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions, hidden, cache: PagedKVCache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = hidden.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype, device):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": spec.intermediate_size,
+                                                           "up_proj": spec.intermediate_size},
+                                        bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype,
+                                   device=device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, dtype, device):
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, layer_idx, rotary, dtype, device)
+        self.mlp = LlamaMLP(spec, dtype, device)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+    def forward(self, positions, hidden, residual, cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        # one shared cos/sin table for all layers (not a parameter, not in state_dict)
+        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
+                                 spec.rope_scaling, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, rotary, dtype, device)
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
