@@ -45,7 +45,9 @@ def _print_json(obj) -> None:
 def vram_plan(
     model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir, config.json or .gguf."),
     weight_dtype: str = typer.Option("auto", help="auto|fp32|fp16|bf16|fp8|int8|int4"),
-    group_size: int = typer.Option(128, help="Quantization group size for int4/int8 scales (-1: per channel)."),
+    group_size: Optional[int] = typer.Option(
+        None, help="Group size of int4/int8 scales; -1 per channel. Default: -1 for int8, 128 (or the largest "
+        "size that divides the model) for int4."),
     kv_dtype: str = typer.Option("auto", help="auto|fp32|fp16|bf16|fp8|int8"),
     seq_len: int = typer.Option(2048, help="Tokens per sequence (prompt + output)."),
     batch: int = typer.Option(1, help="Concurrent sequences."),
@@ -87,7 +89,8 @@ def main() -> None:
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        err_console.print(f"[bold red]error:[/] invalid {loc or 'input'}: {first.get('msg')}", highlight=False)
+        err_console.print(f"[bold red]error:[/] invalid {loc or 'input'}: {first.get('msg')}", highlight=False,
+                          soft_wrap=True)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)

@@ -1,0 +1,5 @@
+"""Planning before running: how much GPU memory a model needs and how to split it over GPUs."""
+
+from llmopt.planning.vram import VramPlan, VramPlanOptions, plan_vram, render_vram_plan
+
+__all__ = ["VramPlan", "VramPlanOptions", "plan_vram", "render_vram_plan"]
