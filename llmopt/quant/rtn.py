@@ -1,0 +1,175 @@
+"""Round-to-nearest (RTN) quantization, plus the scale/zero helpers GPTQ and AWQ reuse.
+
+RTN is the baseline every smarter algorithm is measured against, and its parameter math (how a
+[min, max] range becomes a scale and an integer zero) is shared so that all of them agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.errors import LlmoptError
+from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx
+from llmopt.quant.scheme import QuantScheme
+
+
+def _round_scale(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round scales *up* to the storage dtype now, so codes are chosen against the stored scale
+    and the range still covers [min, max] (no weight errs by more than half a step)."""
+    dt = scheme.torch_scale_dtype
+    scale = scale.float().clamp(min=torch.finfo(dt).tiny)
+    if dt == torch.float32:
+        return scale
+    r = scale.to(dt)
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    return torch.where(r.float() < scale, up, r).float()
+
+
+def params_from_range(
+    xmin: torch.Tensor, xmax: torch.Tensor, scheme: QuantScheme
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero (both float32, any shape) for values in [xmin, xmax].
+
+    Symmetric: scale = absmax / (maxq / 2) and zero = 2^(bits-1) (the GPTQ / compressed-tensors
+    convention: the code range [-8, 7]·scale covers ±absmax up to half a step).
+    Asymmetric: the range is widened to include 0, scale = (max - min) / maxq and
+    zero = round(-min / scale), kept in [1, maxq] (see qtensor: GPTQ v1 stores zero - 1).
+    An all-zero range gets scale 1 so that it dequantizes to exact zeros.
+    """
+    maxq = scheme.maxq
+    xmin = torch.minimum(xmin.float(), torch.zeros_like(xmin, dtype=torch.float32))
+    xmax = torch.maximum(xmax.float(), torch.zeros_like(xmax, dtype=torch.float32))
+    if scheme.symmetric:
+        absmax = torch.maximum(-xmin, xmax)
+        scale = torch.where(absmax > 0, absmax / (maxq / 2), torch.ones_like(absmax))
+        scale = _round_scale(scale, scheme)
+        return scale, torch.full_like(scale, scheme.sym_zero)
+    span = xmax - xmin
+    scale = torch.where(span > 0, span / maxq, torch.ones_like(span))
+    scale = _round_scale(scale, scheme)
+    zero = torch.round(-xmin / scale)
+    # A range that starts at 0 would need zero 0; shift it to 1 and widen the step to keep xmax.
+    # (computed unconditionally: no host sync on accelerators)
+    low = zero < 1
+    widened = _round_scale(torch.where(xmax > 0, xmax / (maxq - 1), 1.0), scheme)
+    scale = torch.where(low, widened, scale)
+    return scale, zero.clamp(1, maxq)
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Integer codes (float tensor) clamp(round(w / scale) + zero, 0, maxq); broadcasts."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Quantize then dequantize: scale · (q - zero)."""
+    return scale * (quantize_codes(w, scale, zero, maxq) - zero)
+
+
+def _group_view(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """[out, in] -> [out, n_groups, group_size] (contiguous groups)."""
+    out, inp = w.shape
+    gs = scheme.effective_group_size(inp)
+    return w.reshape(out, inp // gs, gs)
+
+
+def mse_params(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    maxshrink: float = 0.8,
+    grid: int = 100,
+    norm: float = 2.4,
+    chunk: int = 10,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (scale, zero) for `w` [rows, cols] that minimize Σ|w - Q(w)|^norm.
+
+    Shrinks the [min, max] range by factors 1 - k/grid for k < maxshrink·grid (as the GPTQ
+    reference quantizer does) and keeps the best per row. Candidates are evaluated `chunk` at a
+    time so memory stays at chunk × rows × cols.
+    """
+    w = w.float()
+    rows = w.shape[0]
+    xmin = w.amin(dim=1)
+    xmax = w.amax(dim=1)
+    best_scale, best_zero = params_from_range(xmin, xmax, scheme)
+    best_err = (
+        (fake_quantize(w, best_scale[:, None], best_zero[:, None], scheme.maxq) - w).abs().pow(norm).sum(1)
+    )
+    steps = int(maxshrink * grid)
+    ks = list(range(1, steps))
+    for start in range(0, len(ks), chunk):
+        p = 1 - torch.tensor(ks[start : start + chunk], dtype=torch.float32, device=w.device) / grid
+        scale, zero = params_from_range(p[:, None] * xmin, p[:, None] * xmax, scheme)  # [c, rows]
+        err = (fake_quantize(w, scale[..., None], zero[..., None], scheme.maxq) - w).abs().pow(norm).sum(-1)
+        err_min, arg = err.min(dim=0)
+        better = err_min < best_err
+        pick = torch.arange(rows, device=w.device)
+        best_err = torch.where(better, err_min, best_err)
+        best_scale = torch.where(better, scale[arg, pick], best_scale)
+        best_zero = torch.where(better, zero[arg, pick], best_zero)
+    return best_scale, best_zero
+
+
+def group_params(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    clip_ratio: float = 1.0,
+    max_val: torch.Tensor | None = None,
+    mse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero [out, n_groups] for contiguous groups of `w` [out, in].
+
+    `clip_ratio` shrinks each group's range; `max_val` [out, n_groups] (from AWQ clip search)
+    clamps weights to ±max_val first; `mse` runs the shrink-grid search instead of min/max.
+    """
+    g = _group_view(w.float(), scheme)
+    if max_val is not None:
+        mv = max_val.float().to(g.device)[..., None]
+        g = torch.maximum(torch.minimum(g, mv), -mv)
+    out, ng, gs = g.shape
+    if mse:
+        scale, zero = mse_params(g.reshape(out * ng, gs), scheme)
+        return scale.reshape(out, ng), zero.reshape(out, ng)
+    return params_from_range(g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio, scheme)
+
+
+def quantize_with_params(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor, scheme: QuantScheme
+) -> QuantizedWeight:
+    """Build a QuantizedWeight from `w` [out, in] and already-chosen per-group parameters."""
+    idx = g_idx.long()
+    q = quantize_codes(w.float(), scale[:, idx], zero[:, idx], scheme.maxq).to(torch.uint8)
+    zero_t = None if scheme.symmetric else zero.to(torch.uint8)
+    return QuantizedWeight(q=q, scale=scale.float(), zero=zero_t, g_idx=g_idx.to(torch.int32), scheme=scheme)
+
+
+def rtn_quantize(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    clip_ratio: float = 1.0,
+    max_val: torch.Tensor | None = None,
+    mse: bool = False,
+) -> QuantizedWeight:
+    """Round-to-nearest quantization of `w` [out, in] to an int scheme, per group or per channel."""
+    if scheme.kind != "int":
+        raise LlmoptError(f"rtn_quantize handles int schemes; use fp8_quantize for {scheme.describe()}")
+    if w.dim() != 2:
+        raise LlmoptError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if not 0 < clip_ratio <= 1:
+        raise LlmoptError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
+    scheme.check_in_features(w.shape[1])
+    scale, zero = group_params(w, scheme, clip_ratio=clip_ratio, max_val=max_val, mse=mse)
+    g_idx = identity_g_idx(w.shape[1], scheme.group_size, w.device)
+    return quantize_with_params(w, scale, zero, g_idx, scheme)
+
+
+def rtn_fake_quantize(
+    w: torch.Tensor, scheme: QuantScheme, max_val: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Q(w) in float32 with contiguous groups (used inside AWQ's searches; no QuantizedWeight)."""
+    scale, zero = group_params(w, scheme, max_val=max_val)
+    g = _group_view(w.float(), scheme)
+    if max_val is not None:
+        mv = max_val.float()[..., None]
+        g = torch.maximum(torch.minimum(g, mv), -mv)
+    return fake_quantize(g, scale[..., None], zero[..., None], scheme.maxq).reshape(w.shape)

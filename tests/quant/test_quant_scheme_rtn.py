@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from llmopt.errors import LlmoptError
+from llmopt.quant import QuantScheme, check_group_size, rtn_quantize, valid_group_sizes
+from llmopt.quant.qtensor import QuantizedWeight
+
+
+def test_valid_group_sizes_for_smollm2_hidden():
+    sizes = valid_group_sizes(576)
+    assert 32 in sizes and 64 in sizes and 576 in sizes
+    assert 128 not in sizes
+    assert all(576 % g == 0 and g % 8 == 0 for g in sizes)
+
+
+def test_ragged_group_size_is_a_one_line_user_error_naming_valid_sizes():
+    with pytest.raises(LlmoptError) as e:
+        check_group_size(576, 128, "model.layers.0.self_attn.qkv_proj")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "128" in msg and "576" in msg and "qkv_proj" in msg
+    assert "32" in msg and "64" in msg
+    check_group_size(576, 64)
+    check_group_size(576, -1)
+    with pytest.raises(LlmoptError):
+        rtn_quantize(torch.randn(8, 576), QuantScheme(bits=4, group_size=128))
+
+
+def test_scheme_validation():
+    with pytest.raises(ValidationError):
+        QuantScheme(bits=3)
+    with pytest.raises(ValidationError):
+        QuantScheme(group_size=0)
+    with pytest.raises(ValidationError):
+        QuantScheme(kind="fp8", bits=8, group_size=128)
+    s = QuantScheme(bits=4, group_size=32, symmetric=False)
+    assert s.maxq == 15 and s.sym_zero == 8 and s.n_groups(576) == 18
+    assert QuantScheme(bits=8, group_size=-1).n_groups(576) == 1
+    assert s.describe() == "int4 g32 asym"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_rtn_codes_in_range_and_error_bounded(bits, sym, group_size):
+    w = torch.randn(24, 128) * 0.1
+    w[3] += 0.5  # an all-positive row: asym zero must stay >= 1 (GPTQ v1)
+    scheme = QuantScheme(bits=bits, group_size=group_size, symmetric=sym)
+    qw = rtn_quantize(w, scheme)
+    assert qw.q.dtype == torch.uint8
+    assert int(qw.q.max()) <= scheme.maxq
+    if sym:
+        assert qw.zero is None
+        assert torch.equal(qw.zero_points(), torch.full_like(qw.zero_points(), 1 << (bits - 1)))
+    else:
+        assert 1 <= int(qw.zero.min()) and int(qw.zero.max()) <= scheme.maxq
+    # scales are exactly representable in the storage dtype (fp16)
+    assert torch.equal(qw.scale, qw.scale.half().float())
+    deq = qw.dequantize()
+    step = qw.scale[:, qw.g_idx.long()]
+    # every weight is within half a step (plus fp16 scale rounding slack at the range ends)
+    assert bool(((deq - w).abs() <= 0.5 * step * (1 + 1e-5)).all())
+    if group_size == -1:
+        assert qw.n_groups == 1
+
+
+def test_rtn_symmetric_matches_gptq_convention():
+    w = torch.tensor([[-1.5, -0.75, 0.0, 0.75] * 8])
+    qw = rtn_quantize(w, QuantScheme(bits=4, group_size=-1, symmetric=True, scale_dtype="float32"))
+    assert torch.allclose(qw.scale, torch.tensor([[1.5 / 7.5]]))
+    assert qw.q[0, :4].tolist() == [0, 4, 8, 12]  # round(w/s) + 8
+
+
+def test_rtn_all_zero_rows_and_clip():
+    w = torch.randn(4, 64)
+    w[1] = 0
+    qw = rtn_quantize(w, QuantScheme(bits=4, group_size=32, symmetric=False))
+    assert torch.equal(qw.dequantize()[1], torch.zeros(64))
+    clipped = rtn_quantize(w, QuantScheme(bits=4, group_size=32), clip_ratio=0.8)
+    full = rtn_quantize(w, QuantScheme(bits=4, group_size=32))
+    live = [0, 2, 3]  # row 1 is all zero (scale 1 either way)
+    assert bool((clipped.scale[live] <= full.scale[live] * 0.8 * (1 + 2e-3)).all())
+    max_val = torch.full((4, 2), 0.5)
+    mv = rtn_quantize(w, QuantScheme(bits=4, group_size=32), max_val=max_val)
+    assert float(mv.dequantize().abs().max()) <= 0.5 * (1 + 1 / 7) + 1e-3
+
+
+def test_rtn_mse_option_lowers_power_error_on_heavy_tails():
+    w = torch.distributions.StudentT(2.0).sample((16, 128))
+    scheme = QuantScheme(bits=4, group_size=-1, symmetric=True, scale_dtype="float32")
+    plain = rtn_quantize(w, scheme)
+    mse = rtn_quantize(w, scheme, mse=True)
+    err = lambda qw: float((qw.dequantize() - w).abs().pow(2.4).sum())  # noqa: E731
+    assert err(mse) < 0.9 * err(plain)
+
+
+def test_quantized_weight_validates_shapes():
+    scheme = QuantScheme(bits=4, group_size=32)
+    q = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(LlmoptError):
+        QuantizedWeight(
+            q=q, scale=torch.ones(4, 3), zero=None, g_idx=torch.zeros(64, dtype=torch.int32), scheme=scheme
+        )
+    with pytest.raises(LlmoptError):
+        QuantizedWeight(
+            q=q.to(torch.int32), scale=torch.ones(4, 2), zero=None, g_idx=torch.zeros(64), scheme=scheme
+        )
+    qw = QuantizedWeight(q=q, scale=torch.ones(4, 2), zero=None, g_idx=torch.arange(64) // 32, scheme=scheme)
+    assert not qw.is_act_order and qw.nbytes() == 4 * 64 // 2 + 8 * 2
