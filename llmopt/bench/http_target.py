@@ -259,7 +259,7 @@ class HttpTarget:
 
         try:
             problem = await asyncio.wait_for(stream(), self.config.timeout_s)  # a deadline for the whole request
-        except asyncio.TimeoutError:  # builtin TimeoutError from 3.11 on, a separate class on 3.10
+        except TimeoutError:  # builtin TimeoutError from 3.11 on, a separate class on 3.10
             return fail("timeout", f"no complete response within {self.config.timeout_s:g} s")
         except httpx.TimeoutException as e:
             return fail("timeout", f"{type(e).__name__}: {e or 'timed out'}")

@@ -13,7 +13,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -99,7 +99,7 @@ class BenchReport(BaseModel):
     slo: Slo | None = None
     runs: list[BenchRun]
     knee: Knee | None = None
-    created: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    created: datetime = Field(default_factory=lambda: datetime.now(UTC))
     llmopt_version: str = __version__
 
     def with_knee(self, attainment: float = 0.99) -> BenchReport:
