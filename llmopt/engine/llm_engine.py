@@ -22,6 +22,7 @@ from llmopt.engine.outputs import CompletionOutput, RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence, SequenceStatus
+from llmopt.engine.spec_decode import SpeculativeConfig, ngram_propose, spec_eligible, verify
 from llmopt.engine.stats import FinishedRequest, StepStats
 from llmopt.errors import LlmoptError
 from llmopt.layers.kv_cache import PagedKVCache
@@ -33,6 +34,31 @@ DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
 
 class RequestError(LlmoptError):
     """A request the engine can never serve (too long, bad parameters). Servers answer 400."""
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculative-decoding counts, named after vLLM's spec_decode_* metrics."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    disabled_requests: int = 0
+    skipped_steps: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_pos = [0] * self.k
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per verification step (accepted drafts + the target's own token)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -84,6 +110,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.spec_config: SpeculativeConfig | None = (SpeculativeConfig(**config.speculative)
+                                                      if config.speculative else None)
+        self.spec_enabled = self.spec_config is not None  # servers turn it off under load
+        self.spec_counters = SpecCounters(self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self.requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []
         self._pending_finished: list[FinishedRequest] = []
@@ -179,7 +209,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._expire_deadlines(t0)
+        if self.spec_config is not None and self.spec_enabled:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
+        if self.spec_config is not None:
+            scheduled_ids = {s.seq_id for s, _ in sched.scheduled}
+            for seq in self.scheduler.running:
+                if seq.spec_tokens and seq.seq_id not in scheduled_ids:
+                    seq.spec_tokens = []
         t1 = time.perf_counter()
         outputs = self._pending
         self._pending = []
@@ -192,13 +229,18 @@ class LLMEngine:
             prepare, forward, sample = res.prepare_time, res.forward_time, res.sample_time
             n_prefill, n_decode = res.num_prefill_tokens, res.num_decode_tokens
             for seq, n in sched.scheduled:
-                seq.num_computed_tokens += n
-                self.block_manager.commit_full_blocks(seq)
+                if not seq.spec_tokens:
+                    seq.num_computed_tokens += n
+                    self.block_manager.commit_full_blocks(seq)
             now = time.perf_counter()
             touched: dict[str, _Request] = {}
             for seq, token, lp in res.sampled:
                 self._append_token(seq, token, lp, now)
                 new_tokens.append((seq.request_id, now))
+                touched[seq.request_id] = self.requests[seq.request_id]
+            for seq, logits in res.spec_logits:
+                for _ in range(self._accept_drafts(seq, logits, now)):
+                    new_tokens.append((seq.request_id, now))
                 touched[seq.request_id] = self.requests[seq.request_id]
             for req in touched.values():
                 outputs.append(self._make_output(req, req.seqs))
@@ -211,6 +253,55 @@ class LLMEngine:
         self._report(sched, t0, t1, t2, prepare, forward, sample, n_prefill, n_decode, new_tokens,
                      finished_stats)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts for running decodes, unless the batch is too large to profit."""
+        spec = self.spec_config
+        running = self.scheduler.running
+        if len(running) > spec.max_batch_size:
+            self.spec_counters.skipped_steps += 1
+            return
+        for seq in running:
+            if seq.spec_disabled or seq.num_computed_tokens != seq.num_tokens - 1 or not spec_eligible(seq.params):
+                continue
+            room = self.max_model_len - seq.num_tokens - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(spec.num_speculative_tokens, room)
+            if k > 0:
+                seq.spec_tokens = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _accept_drafts(self, seq: Sequence, logits: torch.Tensor, now: float) -> int:
+        """Verify a speculating sequence's drafts; append what is accepted plus the target's token.
+        Returns the number of tokens appended."""
+        drafts = seq.spec_tokens
+        seq.spec_tokens = []
+        out = verify(logits, drafts, seq.params, seq.generator)
+        accepted = len(out) - 1
+        c = self.spec_counters
+        c.num_drafts += 1
+        c.num_draft_tokens += len(drafts)
+        c.num_accepted_tokens += accepted
+        for i in range(accepted):
+            c.accepted_per_pos[i] += 1
+        seq.spec_proposed += len(drafts)
+        seq.spec_accepted += accepted
+        spec = self.spec_config
+        if (seq.spec_proposed >= spec.disable_min_drafts
+                and seq.spec_accepted < spec.disable_below_acceptance * seq.spec_proposed):
+            seq.spec_disabled = True
+            c.disabled_requests += 1
+        seq.num_computed_tokens += 1  # the last real token's K/V is now cached
+        appended = 0
+        for j, token in enumerate(out):
+            self._append_token(seq, token, None, now)
+            appended += 1
+            if seq.is_finished:
+                return appended
+            if j < accepted:
+                seq.num_computed_tokens += 1  # an accepted draft: its K/V was computed in this pass
+        self.block_manager.commit_full_blocks(seq)
+        return appended
 
     def _expire_deadlines(self, now: float) -> None:
         for req in list(self.requests.values()):

@@ -21,6 +21,7 @@ from llmopt.models.llama import LlamaForCausalLM
 @dataclass
 class StepResult:
     sampled: list[tuple[Sequence, int, dict[int, float] | None]]  # (sequence, new token, logprobs)
+    spec_logits: list[tuple[Sequence, torch.Tensor]]  # speculating sequences: logits [1 + drafts, V]
     prepare_time: float
     forward_time: float
     sample_time: float
@@ -40,7 +41,10 @@ class ModelRunner:
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        """Build input ids, positions and attention metadata. Returns (ids, pos, meta, logit_rows, seqs)."""
+        """Build input ids, positions and attention metadata.
+
+        Returns (ids, positions, meta, logit_rows, sample_seqs, spec_rows, n_prefill, n_decode), where
+        spec_rows maps each speculating sequence to the rows of all its scored positions."""
         prefills = [(s, n) for s, n in scheduled if n > 1]
         decodes = [(s, n) for s, n in scheduled if n == 1]
         ids: list[int] = []
@@ -50,9 +54,11 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         dev = self.device
         meta_prefills = []
+        spec_rows: list[tuple[Sequence, list[int]]] = []
         for seq, n in prefills:
             c = seq.num_computed_tokens
-            ids.extend(seq.token_ids[c:c + n])
+            all_ids = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+            ids.extend(all_ids[c:c + n])
             pos.extend(range(c, c + n))
             slots.extend(self._slots(seq.block_table, c, c + n))
             ctx = c + n
@@ -66,7 +72,9 @@ class ModelRunner:
                 chunk = PrefillChunk(n, ctx, torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long,
                                                           device=dev), k_pos <= q_pos)
             meta_prefills.append(chunk)
-            if ctx == seq.num_tokens:
+            if seq.spec_tokens:
+                spec_rows.append((seq, list(range(len(ids) - n, len(ids)))))
+            elif ctx == seq.num_tokens:
                 logit_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
         num_prefill_tokens = len(ids)
@@ -97,23 +105,29 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, logit_rows, sample_seqs, num_prefill_tokens, len(decodes)
+        return input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         t0 = time.perf_counter()
-        input_ids, positions, meta, rows, seqs, n_prefill, n_decode = self.prepare(scheduled)
+        input_ids, positions, meta, rows, seqs, spec_rows, n_prefill, n_decode = self.prepare(scheduled)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.cache, meta)
         sampled: list[tuple[Sequence, int, dict[int, float] | None]] = []
+        spec_logits: list[tuple[Sequence, torch.Tensor]] = []
+        all_rows = rows + [r for _, rs in spec_rows for r in rs]
+        if all_rows:
+            all_logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=hidden.device)])
+            logits = all_logits[:len(rows)]
+            start = len(rows)
+            for seq, rs in spec_rows:
+                spec_logits.append((seq, all_logits[start:start + len(rs)]))
+                start += len(rs)
+        t2 = time.perf_counter()
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-            t2 = time.perf_counter()
             srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
                                  s.generator) for s in seqs]
             tokens, lps = sample(logits, srows)
             sampled = list(zip(seqs, tokens, lps, strict=True))
-        else:
-            t2 = time.perf_counter()
         t3 = time.perf_counter()
-        return StepResult(sampled, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode)
+        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode)

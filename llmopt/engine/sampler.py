@@ -83,13 +83,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     return token_ids, out_lp
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking (-inf), one SamplingParams per row."""
     dev = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
+    temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
     logits = logits / temps
-    top_k = [r.params.top_k for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
@@ -105,7 +106,16 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         remove[:, 0] = False  # the most likely token always survives
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
-    probs = logits.softmax(dim=-1)
+    return logits
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler draws from, for every row of `logits` under one request's params."""
+    return _filtered_logits(logits, [params] * logits.shape[0]).softmax(dim=-1)
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    probs = _filtered_logits(logits, [r.params for r in rows]).softmax(dim=-1)
     noise = torch.empty_like(probs)
     for i, r in enumerate(rows):
         noise[i].exponential_(generator=r.generator)

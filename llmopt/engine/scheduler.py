@@ -65,6 +65,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.spec_tokens = []
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -81,7 +82,10 @@ class Scheduler:
         i = 0
         while i < len(queue) and budget > 0:
             seq = queue[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            missing = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(missing + len(seq.spec_tokens), budget)
+            if seq.spec_tokens and num_new < missing + len(seq.spec_tokens):
+                seq.spec_tokens = seq.spec_tokens[:max(0, num_new - missing)]  # drafts trimmed to the budget
             if num_new <= 0:
                 i += 1
                 continue

@@ -44,6 +44,11 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
+        # speculative decoding: draft tokens scored this step, and the request's running acceptance
+        self.spec_tokens: list[int] = []
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+        self.spec_disabled = False
         # incremental detokenization state
         self.output_text = ""
         self.prefix_offset = 0

@@ -1,0 +1,101 @@
+"""Speculative decoding inside the continuous-batching engine.
+
+A proposer suggests k draft tokens per running sequence; the target model scores the last real token
+plus the drafts in ONE forward pass (a k+1-token chunk over the paged cache, batched with everything
+else in the step); `verify` keeps the longest acceptable prefix plus one token from the target.
+
+- Greedy: a draft is accepted iff it equals the target's argmax, so output is token-identical to plain
+  decoding.
+- Sampling: standard rejection sampling (accept x with min(1, p(x)/q(x)), else resample from
+  norm(max(0, p - q))), which leaves the output distribution unchanged. Prompt lookup (`ngram`) is a
+  deterministic proposer, so q is one-hot on the draft.
+
+KV slots written for rejected drafts are simply not counted as computed (`num_computed_tokens` only
+advances over accepted tokens), so they are overwritten later and never enter the prefix cache.
+Speculation is skipped per request when its running acceptance rate falls below a threshold, and for
+the whole step when the batch is large enough that verification costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmopt.engine.sampler import processed_probs
+from llmopt.engine.sampling_params import SamplingParams
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(5, ge=1)
+    # dynamic disable: a request stops speculating once it has proposed at least `disable_min_drafts`
+    # tokens with an acceptance rate below `disable_below_acceptance`
+    disable_below_acceptance: float = Field(0.3, ge=0.0, le=1.0)
+    disable_min_drafts: int = Field(16, ge=1)
+    # no speculation in steps with more running sequences than this (verification would cost more)
+    max_batch_size: int = Field(8, ge=1)
+
+
+def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix (max_n down to
+    min_n tokens) in prompt + output, and propose the k tokens that followed it."""
+    n_tok = len(tokens)
+    if n_tok < min_n + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
+        pattern = arr[n_tok - n:]
+        hay = arr[:n_tok - 1]  # the suffix itself must not match
+        if len(hay) < n:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(hay, n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """logits: [len(drafts)+1, V] for the last real token and each draft. Returns the accepted drafts
+    followed by one token chosen by the target (the correction or the bonus token)."""
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, d in enumerate(drafts):
+            if d != target[i]:
+                break
+            out.append(d)
+        out.append(target[len(out)])
+        return out
+    probs = processed_probs(logits, params)
+    out = []
+    for i, d in enumerate(drafts):
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u < probs[i, d]:  # q is one-hot on d: accept with min(1, p(d) / 1)
+            out.append(d)
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        total = residual.sum()
+        if total <= 0:  # p was a point mass on d (cannot happen when u < 1); keep d
+            out.append(d)
+            continue
+        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
+    return out
+
+
+def spec_eligible(params: SamplingParams) -> bool:
+    """Requests whose per-token processing depends on the previous token stay on the plain path."""
+    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.min_tokens == 0)

@@ -1,0 +1,123 @@
+"""Speculative decoding: prompt lookup, greedy identity, unchanged sampling distribution, KV rollback."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from llmopt import LLM, SamplingParams
+from llmopt.engine.spec_decode import SpeculativeConfig, ngram_propose
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "max_batch_size": 512, "disable_below_acceptance": 0.0}
+
+
+def test_ngram_propose_finds_the_latest_longest_match():
+    toks = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]
+    # suffix [2, 3] occurs at 1 and 5; the latest (5) is followed by 5, 6, 7, 2
+    assert ngram_propose(toks, 4, 1, 3) == [5, 6, 7, 2]
+    # a longer suffix wins over a more recent shorter one
+    toks = [7, 8, 9, 1, 2, 0, 9, 5, 8, 9]
+    assert ngram_propose(toks, 2, 1, 3) == [1, 2]
+    assert ngram_propose([1, 2, 3], 4, 2, 3) == []
+    assert ngram_propose([5, 5], 3, 1, 2) == [5]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError):
+        SpeculativeConfig(num_speculative_tokens=0)
+
+
+def _repetitive_prompts(n: int) -> list[list[int]]:
+    base = [[10 + i, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(n)]
+    return [b * 6 for b in base]
+
+
+def test_greedy_output_identical_and_kv_rolled_back(tiny_llama):
+    plain = LLM(str(tiny_llama), dtype="float32")
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=SPEC)
+    prompts = _repetitive_prompts(6) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert a == b
+    c = spec.engine.spec_counters
+    assert c.num_drafts > 0 and c.num_accepted_tokens > 0
+    assert c.num_accepted_tokens < c.num_draft_tokens  # some drafts were rejected and rolled back
+    bm = spec.engine.block_manager
+    assert all(blk.ref_count == 0 for blk in bm.blocks) and bm.num_free_blocks == bm.num_blocks
+    # the rolled-back KV slots never poisoned the prefix cache: a rerun is still identical
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == a
+    # and the text streamed equals the tokens
+    out = spec.generate(prompts[:1], params)[0].outputs[0]
+    assert out.text == spec.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stop_conditions_inside_an_accepted_run(tiny_llama):
+    plain = LLM(str(tiny_llama), dtype="float32")
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=SPEC)
+    prompts = _repetitive_prompts(3)
+    for max_tokens in (1, 2, 5, 9):
+        p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert ([o.outputs[0].token_ids for o in spec.generate(prompts, p)]
+                == [o.outputs[0].token_ids for o in plain.generate(prompts, p)])
+    ref = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_tok = ref.outputs[0].token_ids[6]
+    p = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok])
+    assert spec.generate(prompts[:1], p)[0].outputs[0].token_ids == plain.generate(prompts[:1], p)[0].outputs[0].token_ids
+
+
+def _chi2_pvalue(a: collections.Counter, b: collections.Counter, min_count: int = 10) -> float:
+    """Two-sample chi-square homogeneity test over categories (rare ones pooled)."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= min_count]
+    rows = [[a[k] for k in keys] + [sum(a.values()) - sum(a[k] for k in keys)],
+            [b[k] for k in keys] + [sum(b.values()) - sum(b[k] for k in keys)]]
+    t = torch.tensor(rows, dtype=torch.float64)
+    if t[:, -1].sum() == 0:
+        t = t[:, :-1]
+    exp = t.sum(1, keepdim=True) * t.sum(0, keepdim=True) / t.sum()
+    stat = ((t - exp) ** 2 / exp).sum()
+    df = t.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def test_sampling_distribution_is_unchanged(tiny_llama):
+    """Rejection sampling keeps the target's distribution: the 2nd and 3rd generated tokens (the ones
+    speculation verifies) have the same distribution with and without it."""
+    n = 1200
+    # every vocabulary token occurs in the prompt, so prompt lookup always finds a match to propose
+    vocab = list(range(3, 440))
+    prompt = vocab[::2] + vocab[1::2]
+    params = [SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)]
+    plain = LLM(str(tiny_llama), dtype="float32", max_num_seqs=256)
+    spec = LLM(str(tiny_llama), dtype="float32", max_num_seqs=256, speculative=SPEC)
+    a = [tuple(o.outputs[0].token_ids[1:]) for o in plain.generate([prompt] * n, params)]
+    b_params = [p.model_copy(update={"seed": p.seed + 10_000}) for p in params]
+    b = [tuple(o.outputs[0].token_ids[1:]) for o in spec.generate([prompt] * n, b_params)]
+    c = spec.engine.spec_counters
+    assert c.num_draft_tokens > n  # speculation really ran for these requests
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens
+    for pos in (0, 1, 2):
+        pv = _chi2_pvalue(collections.Counter(x[pos] for x in a), collections.Counter(x[pos] for x in b))
+        assert pv > 1e-3, f"token {pos + 2} distribution differs (p={pv:.2e})"
+
+
+def test_dynamic_disable_on_low_acceptance(tiny_llama):
+    cfg = dict(SPEC, disable_below_acceptance=0.99, disable_min_drafts=4)
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=cfg)
+    vocab = list(range(3, 440))
+    spec.generate([vocab[::2] + vocab[1::2]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    c = spec.engine.spec_counters
+    assert c.disabled_requests == 1
+    assert c.num_draft_tokens < 40  # it stopped drafting once the acceptance rate was known to be low
+
+
+def test_large_batches_skip_speculation(tiny_llama):
+    cfg = dict(SPEC, max_batch_size=2)
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=cfg)
+    spec.generate(_repetitive_prompts(6), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert spec.engine.spec_counters.skipped_steps > 0
