@@ -15,12 +15,12 @@ from llmopt.layers.attention import AttentionMetadata, PagedAttention
 from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import RMSNorm
-from llmopt.layers.rotary import RotaryEmbedding
+from llmopt.layers.rotary import RotaryEmbedding, apply_rotary
 from llmopt.models.spec import ModelSpec
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, dtype, device):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
@@ -28,17 +28,16 @@ class LlamaAttention(nn.Module):
                                                        "v_proj": self.kv_size},
                                     bias=spec.attention_bias, dtype=dtype, device=device)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
-        self.rotary = rotary
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions, hidden, cache: PagedKVCache, meta: AttentionMetadata):
+    def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = hidden.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # q and k heads are adjacent in the fused output: rotate them in one go
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, cache, meta))
 
 
@@ -58,20 +57,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, dtype, device):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
-        self.self_attn = LlamaAttention(spec, layer_idx, rotary, dtype, device)
+        self.self_attn = LlamaAttention(spec, layer_idx, dtype, device)
         self.mlp = LlamaMLP(spec, dtype, device)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
-    def forward(self, positions, hidden, residual, cache, meta):
+    def forward(self, rope, hidden, residual, cache, meta):
+        """`rope` is the (cos, sin) pair for this step's positions, see `RotaryEmbedding`."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cache, meta)
+        hidden = self.self_attn(rope, hidden, cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -81,11 +81,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        # one shared cos/sin table for all layers (not a parameter, not in state_dict)
-        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
-                                 spec.rope_scaling, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, rotary, dtype, device)
-                                    for i in range(spec.num_layers))
+        # one cos/sin table for all layers (a non-persistent buffer, not in the checkpoint)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
+                                      spec.rope_scaling, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
         if spec.tie_word_embeddings:
@@ -95,9 +94,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, cache, meta)
+            hidden, residual = layer(rope, hidden, residual, cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -100,9 +100,9 @@ def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
     directory = weights_dir(resolved)
     torch_dtype = parse_dtype(dtype, resolved.spec.dtype)
     if resolved.quantization_config is not None:
-        method = resolved.quantization_config.get("quant_method")
-        raise LlmoptError(f"{resolved.path}: quantized checkpoints (quant_method={method!r}) cannot be "
-                          "loaded by this version of llmopt")
+        from llmopt.quant.checkpoint import load_quantized_model  # lazy: quant builds on this module
+
+        return load_quantized_model(resolved, directory, torch_dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(resolved.spec, dtype=torch_dtype, device="meta")
     model = model.to_empty(device=device)
@@ -119,6 +119,5 @@ def _rebuild_rotary(model: LlamaForCausalLM, device) -> None:
     from llmopt.layers.rotary import RotaryEmbedding
 
     s = model.spec
-    rotary = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling, device=device)
-    for layer in model.layers:
-        layer.self_attn.rotary = rotary
+    model.rotary = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling,
+                                   device=device)
