@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.devices import resolve_device
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.config import EngineConfig
 from llmopt.engine.detokenizer import detokenize_step, init_offsets
@@ -28,8 +29,11 @@ from llmopt.errors import LlmoptError
 from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.models.loader import load_model, parse_dtype
 from llmopt.models.resolve import resolve_model, weights_dir
+from llmopt.models.tokenizer import load_tokenizer
+from llmopt.quant.checkpoint import kv_cache_scales
 
 DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
+_load_tokenizer = load_tokenizer  # old name, kept while callers move to llmopt.models.tokenizer
 
 
 class RequestError(LlmoptError):
@@ -73,14 +77,6 @@ class _Request:
     extra: dict = field(default_factory=dict)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise LlmoptError(f"device {device!r} requested but CUDA is not available; use --device cpu")
-    return torch.device(device)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
@@ -95,14 +91,19 @@ class LLMEngine:
             self.dtype = torch.float32  # fp16 matmuls are emulated and slow on CPUs
         self.model = load_model(self.resolved, self.dtype, self.device)
         self.weights_dir = weights_dir(self.resolved)
-        self.tokenizer = _load_tokenizer(self.weights_dir)
+        self.tokenizer = load_tokenizer(self.weights_dir)
         self.eos_token_ids = _eos_ids(self.weights_dir, self.tokenizer, self.spec.eos_token_id)
         s = self.spec
+        # a checkpoint with calibrated INT8 KV scales (llmopt quantize --kv-cache int8) defaults to an int8 cache
+        kv_scales = kv_cache_scales(self.resolved)
+        kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         per_block = PagedKVCache.bytes_per_block(s.num_layers, config.block_size, s.num_kv_heads, s.head_dim,
-                                                 self.dtype, config.kv_cache_dtype)
+                                                 self.dtype, kv_dtype)
         self.num_blocks = self._num_blocks(per_block)
         self.kv_cache = PagedKVCache(s.num_layers, self.num_blocks, config.block_size, s.num_kv_heads,
-                                     s.head_dim, self.dtype, self.device, config.kv_cache_dtype)
+                                     s.head_dim, self.dtype, self.device, kv_dtype)
+        if kv_scales is not None and self.kv_cache.quantized:
+            self.kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
         self.kv_cache_bytes = per_block * self.num_blocks
         limit = config.max_model_len or s.max_position_embeddings
         self.max_model_len = min(limit, s.max_position_embeddings, self.num_blocks * config.block_size)
@@ -401,15 +402,6 @@ class LLMEngine:
             new_tokens=new_tokens, finished=finished)
         for listener in self.stat_listeners:
             listener(stats)
-
-
-def _load_tokenizer(directory):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as e:
-        raise LlmoptError(f"cannot load the tokenizer from {directory}: {str(e).splitlines()[0]}") from None
 
 
 def _eos_ids(directory, tokenizer, spec_eos: list[int]) -> list[int]:
