@@ -120,38 +120,340 @@ def generate(
                           f"decode {summary['decode_tok_s']} tok/s · {summary['dtype']} on {summary['device']}[/]")
 
 
+@app.command()
+def bench(
+    files: Optional[list[str]] = typer.Argument(None, help="With --compare: the JSON reports to compare.",
+                                                show_default=False),
+    url: Optional[str] = typer.Option(None, help="Benchmark an OpenAI-compatible server, e.g. http://HOST:PORT.",
+                                      rich_help_panel="Target"),
+    endpoint: Optional[str] = typer.Option(None, help="--url: completions|chat (default auto: chat for message "
+                                           "prompts).", rich_help_panel="Target"),
+    served_model: Optional[str] = typer.Option(None, help="--url: model name to send (default: /v1/models).",
+                                               rich_help_panel="Target"),
+    api_key: Optional[str] = typer.Option(None, help="--url: bearer token.", rich_help_panel="Target"),
+    request_timeout: Optional[float] = typer.Option(None, help="--url: seconds per request (default 600).",
+                                                    rich_help_panel="Target"),
+    tokenizer: Optional[str] = typer.Option(None, help="--url: model whose tokenizer builds the prompts "
+                                            "(default: the embedded model).", rich_help_panel="Target"),
+    model: Optional[str] = typer.Option(None, help="Benchmark our engine in-process on MODEL (alias, HF dir, "
+                                        ".gguf); the default target.", rich_help_panel="Target"),
+    dtype: Optional[str] = typer.Option(None, help="auto|float32|bfloat16|float16", rich_help_panel="Engine"),
+    device: Optional[str] = typer.Option(None, help="auto|cpu|cuda", rich_help_panel="Engine"),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Engine: sequences per step (default 64).",
+                                               rich_help_panel="Engine"),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Engine: tokens per step (default 2048).",
+                                                         rich_help_panel="Engine"),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="Engine: KV pool size, e.g. 2GiB.",
+                                                  rich_help_panel="Engine"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="Engine: auto|int8", rich_help_panel="Engine"),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+                                        help="Engine: automatic prefix caching.", rich_help_panel="Engine"),
+    workload: Optional[str] = typer.Option(None, help="random|prefix|jsonl (default random; jsonl with "
+                                           "--dataset; prefix for --scenario prefix-cache).",
+                                           rich_help_panel="Workload"),
+    input_len: str = typer.Option("512", help="Prompt tokens: N, LO:HI or normal:MEAN,STD.",
+                                  rich_help_panel="Workload"),
+    output_len: str = typer.Option("128", help="Output tokens (max_tokens): N, LO:HI or normal:MEAN,STD.",
+                                   rich_help_panel="Workload"),
+    num_prompts: Optional[int] = typer.Option(None, help="Requests per load level (default 100; jsonl: the "
+                                              "file).", rich_help_panel="Workload"),
+    prefix_len: int = typer.Option(512, help="prefix: shared prefix tokens.", rich_help_panel="Workload"),
+    num_prefixes: int = typer.Option(4, help="prefix: distinct prefixes.", rich_help_panel="Workload"),
+    suffix_len: str = typer.Option("64", help="prefix: unique suffix tokens per request.",
+                                   rich_help_panel="Workload"),
+    dataset: Optional[str] = typer.Option(None, help="jsonl: one {prompt|messages, max_tokens} per line.",
+                                          rich_help_panel="Workload"),
+    seed: int = typer.Option(0, help="Seed of prompts, lengths and arrivals.", rich_help_panel="Workload"),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
+                                    help="Generate exactly max_tokens per request.", rich_help_panel="Workload"),
+    concurrency: Optional[str] = typer.Option(None, help="Max requests in flight; a sweep: 1,2,4,8 (inf: no "
+                                              "cap).", rich_help_panel="Load"),
+    request_rate: Optional[str] = typer.Option(None, help="Arrivals per second; a sweep: 1,2,4,inf.",
+                                               rich_help_panel="Load"),
+    burstiness: float = typer.Option(1.0, help="Gamma shape of arrivals: 1 Poisson, <1 burstier.",
+                                     rich_help_panel="Load"),
+    warmup: int = typer.Option(1, help="Requests sent and discarded before each load level.",
+                                rich_help_panel="Load"),
+    slo: Optional[str] = typer.Option(None, help="Per-request SLO for goodput and the knee, e.g. "
+                                      "ttft=1000ms,tpot=50ms.", rich_help_panel="Analysis"),
+    knee_metric: str = typer.Option("ttft", help="Latency of the knee: ttft|tpot|itl|e2el.",
+                                    rich_help_panel="Analysis"),
+    knee_percentile: str = typer.Option("p99", help="mean|p50|p90|p99", rich_help_panel="Analysis"),
+    scenario: Optional[str] = typer.Option(None, help="In-process comparison: static-vs-continuous | "
+                                           "prefix-cache.", rich_help_panel="Analysis"),
+    static_batch_size: Optional[int] = typer.Option(None, help="static-vs-continuous: batch size = slots "
+                                                    "(default 8).", rich_help_panel="Analysis"),
+    gate: Optional[list[str]] = typer.Option(None, "--gate", help="Exit 1 unless e.g. \"output_throughput>=150\" "
+                                             "or \"ttft_p99_ms<=1000\" holds (repeatable).",
+                                             rich_help_panel="Analysis"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON.",
+                                            rich_help_panel="Output"),
+    markdown_path: Optional[str] = typer.Option(None, "--markdown", help="Write the report as Markdown.",
+                                                rich_help_panel="Output"),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="Write throughput-vs-latency plots (PNG).",
+                                            rich_help_panel="Output"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Live progress bars.",
+                                  rich_help_panel="Output"),
+    compare: bool = typer.Option(False, "--compare", help="Compare JSON reports given as arguments (ratios vs "
+                                 "the first); no benchmark runs.", rich_help_panel="Output"),
+) -> None:
+    """Measure TTFT, TPOT, ITL, throughput and goodput of a server or the in-process engine; find the knee."""
+    from llmopt.bench.config import BenchOptions
+    from llmopt.bench.runner import BenchInterrupted, run_bench, show_comparison
+    from llmopt.errors import GateFailed
+
+    if compare or files:
+        if not compare:
+            raise LlmoptError(f"unexpected argument {files[0]!r}: report files go with --compare")
+        show_comparison(files or [], console)
+        return
+    cfg = BenchOptions(
+        url=url, endpoint=endpoint, served_model=served_model, api_key=api_key, request_timeout=request_timeout,
+        tokenizer=tokenizer, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+        kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching, workload=workload, input_len=input_len,
+        output_len=output_len, num_prompts=num_prompts, prefix_len=prefix_len, num_prefixes=num_prefixes,
+        suffix_len=suffix_len, dataset=dataset, seed=seed, ignore_eos=ignore_eos, concurrency=concurrency,
+        request_rate=request_rate, burstiness=burstiness, warmup=warmup, slo=slo, knee_metric=knee_metric,
+        knee_percentile=knee_percentile, scenario=scenario, static_batch_size=static_batch_size, gates=gate or [],
+        json_path=json_path, markdown_path=markdown_path, plot_path=plot_path, progress=progress,
+    ).build()
+    try:
+        outcome = run_bench(cfg, console)
+    except KeyboardInterrupt:
+        raise BenchInterrupted("interrupted before any load level finished") from None
+    if outcome.interrupted:  # partial results are printed and written by now
+        raise BenchInterrupted("interrupted; the partial results are above")
+    if outcome.gate_failure:
+        raise GateFailed(outcome.gate_failure)
+
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server (use --api-key)."),
+    port: int = typer.Option(8000, min=0, max=65535),
+    served_model_name: Optional[str] = typer.Option(None, help="Model name in the API; default: MODEL as given."),
+    dtype: str = typer.Option("auto", help="auto|float32|bfloat16|float16"),
+    device: str = typer.Option("auto", help="auto|cpu|cuda|cuda:N"),
+    max_num_seqs: Optional[int] = typer.Option(None, min=1, help="Sequences per batch [default: 64]."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, min=1, help="Token budget of one engine step [default: 2048]."),
+    max_model_len: Optional[int] = typer.Option(None, min=2, help="Tokens per sequence (prompt + output)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
+    kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
+    api_key: list[str] = typer.Option([], "--api-key", help="Require 'Authorization: Bearer KEY' (repeatable)."),
+    api_key_priority: list[str] = typer.Option(
+        [], "--api-key-priority", help="KEY=PRIO: the key's priority class, default and ceiling (repeatable)."),
+    max_waiting: int = typer.Option(256, min=1, help="Requests waiting for the scheduler; beyond: 429."),
+    max_queued_tokens: int = typer.Option(262144, min=1, help="Their prompt tokens; beyond: 429."),
+    request_timeout: float = typer.Option(630.0, min=0.001, help="Server-side deadline per request, seconds."),
+    drain_timeout: float = typer.Option(30.0, min=0, help="On SIGTERM, seconds in-flight requests may finish."),
+    scheduling_policy: str = typer.Option("priority", help="priority|fcfs (fcfs refuses the priority field)."),
+    priority_aging: float = typer.Option(10.0, min=0.001, help="Seconds of waiting that raise a request one class."),
+    degrade_waiting: Optional[int] = typer.Option(
+        None, min=1, help="At this many waiting requests admit only priority >= --degrade-min-priority."),
+    degrade_min_priority: int = typer.Option(1),
+    max_body: str = typer.Option("4MiB", help="Largest request body; beyond: 413."),
+    warmup: bool = typer.Option(True, help="Run warm-up requests before /health turns 200."),
+    log_level: str = typer.Option("info", help="critical|error|warning|info|debug"),
+    engine: str = typer.Option("llmopt", help="llmopt|vllm: vllm prints (--dry-run) or runs `vllm serve`."),
+    tensor_parallel_size: Optional[int] = typer.Option(None, min=1, help="--engine vllm; default: memory plan."),
+    pipeline_parallel_size: Optional[int] = typer.Option(None, min=1, help="--engine vllm; default: memory plan."),
+    gpu_memory: str = typer.Option("24GiB", help="--engine vllm: memory per GPU for the plan."),
+    num_gpus: int = typer.Option(1, min=1, help="--engine vllm: GPUs for the plan."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="--engine vllm: print the command, do not run it."),
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (or hand it to vLLM with --engine vllm)."""
+    from llmopt.units import parse_bytes
+
+    if engine == "vllm":
+        from llmopt.serve.vllm_handoff import VllmOptions, vllm_handoff
+
+        opts = VllmOptions(host=host, port=port, served_model_name=served_model_name, dtype=dtype,
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+                           enable_prefix_caching=not no_prefix_caching, api_keys=api_key,
+                           tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                           gpu_memory_bytes=parse_bytes(gpu_memory), num_gpus=num_gpus)
+        cmd = vllm_handoff(model, opts, dry_run)
+        for note in cmd.notes:
+            err_console.print(f"# note: {note}", highlight=False, soft_wrap=True)
+        sys.stdout.write(cmd.shell() + "\n")
+        return
+    if engine != "llmopt":
+        raise LlmoptError(f"unknown --engine {engine!r}; choose llmopt or vllm")
+    from llmopt.engine.config import EngineConfig
+    from llmopt.serve import ServerConfig, run_server
+
+    priorities = {}
+    for item in api_key_priority:
+        key, sep, prio = item.rpartition("=")
+        if not sep or not key or not prio.lstrip("-").isdigit():
+            raise LlmoptError(f"--api-key-priority expects KEY=PRIO (an integer), got {item!r}")
+        priorities[key] = int(prio)
+    sizes = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+             if v is not None}
+    engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                 kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                                 enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
+                                 **sizes)
+    config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_keys=api_key,
+                          api_key_priorities=priorities, max_waiting=max_waiting, max_queued_tokens=max_queued_tokens,
+                          request_timeout_s=request_timeout, drain_timeout_s=drain_timeout,
+                          enable_priorities=scheduling_policy == "priority", priority_aging_s=priority_aging,
+                          degrade_waiting=degrade_waiting, degrade_min_priority=degrade_min_priority,
+                          max_body_bytes=parse_bytes(max_body), warmup=warmup, log_level=log_level)
+    run_server(engine_config, config, model)
+
+
+@app.command()
+def calibrate(
+    model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
+    data: list[str] = typer.Option(..., "--data", help="PATH[:WEIGHT]: text/jsonl/csv/parquet file, directory or "
+                                   "datasets name; repeat to mix sources by weight."),
+    num_samples: int = typer.Option(128, help="Token windows to sample."),
+    seq_len: int = typer.Option(512, help="Tokens per window."),
+    observer: str = typer.Option("minmax", help="minmax|ema|percentile|mse: per-tensor activation range."),
+    percentile: float = typer.Option(99.9, help="Percentile for --observer percentile."),
+    seed: int = typer.Option(0, help="Sampling seed (same data + seed = same windows)."),
+    chat_template: bool = typer.Option(False, "--chat-template", help="Render each text as a chat user turn."),
+    eval_data: list[str] = typer.Option([], "--eval-data", help="Eval files the windows must not overlap (8-grams)."),
+    allow_overlap: bool = typer.Option(False, "--allow-overlap", help="Warn instead of failing on eval overlap."),
+    output: str = typer.Option(..., "--output", "-o", help="CALIB_DIR to write (stats.safetensors, manifest.json)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing CALIB_DIR."),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+) -> None:
+    """Measure activation statistics on calibration data (for quantize --calib)."""
+    from pathlib import Path
+
+    from llmopt.calibrate import CalibrateConfig, run_calibration
+
+    cfg = CalibrateConfig(model=model, data=data, num_samples=num_samples, seq_len=seq_len, observer=observer,
+                          percentile=percentile, seed=seed, chat_template=chat_template, eval_data=eval_data,
+                          allow_overlap=allow_overlap, output=Path(output), overwrite=overwrite, device=device)
+    m = run_calibration(cfg, err_console)
+    console.print(f"calibrated on {m.num_windows} windows × {m.seq_len} tokens → {output}")
+
+
+@app.command()
+def quantize(
+    model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
+    scheme: str = typer.Option(..., "--scheme", help="w8a16|w4a16|fp8|w8a8"),
+    method: str = typer.Option("rtn", help="rtn|gptq|awq"),
+    group_size: Optional[int] = typer.Option(None, help="Columns per scale; -1 per channel. Default: w4a16 128 "
+                                             "(64 or 32 when 128 does not divide the model), others per channel."),
+    sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (no zero points) or asymmetric int weights."),
+    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: columns by decreasing activation energy "
+                                   "(static groups)."),
+    calib: Optional[str] = typer.Option(None, "--calib", help="CALIB_DIR from `llmopt calibrate`."),
+    calib_data: list[str] = typer.Option([], "--calib-data", help="PATH[:WEIGHT] to sample calibration data from."),
+    num_samples: int = typer.Option(128, help="Windows for --calib-data."),
+    seq_len: int = typer.Option(512, help="Tokens per window for --calib-data."),
+    ignore: list[str] = typer.Option([], "--ignore", help="REGEX over HF module names to leave unquantized "
+                                     "(lm_head and embeddings always are)."),
+    override: list[str] = typer.Option([], "--override", help="REGEX=SCHEME for matching modules."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="int8: store calibrated KV-cache scales."),
+    fmt: str = typer.Option("compressed-tensors", "--format", help="gptq|compressed-tensors"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUT_DIR."),
+    output: str = typer.Option(..., "--output", "-o", help="OUT_DIR to write."),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a summary."),
+) -> None:
+    """Quantize a model (RTN, GPTQ, AWQ, SmoothQuant W8A8, FP8) into a GPTQ or compressed-tensors checkpoint."""
+    from pathlib import Path
+
+    from llmopt.quant.pipeline import quantize_model
+    from llmopt.quant.recipe import QuantizeConfig
+
+    cfg = QuantizeConfig(model=model, scheme=scheme, method=method, group_size=group_size, symmetric=sym,
+                         act_order=act_order, calib=Path(calib) if calib else None, calib_data=calib_data,
+                         num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
+                         kv_cache=kv_cache, format=fmt, output=Path(output), overwrite=overwrite, device=device)
+    report = quantize_model(cfg, err_console)
+    if as_json:
+        _print_json(report.model_dump(mode="json"))
+    else:
+        report.render(console)
+
+
+@app.command("eval")
+def eval_(
+    model: Optional[str] = typer.Argument(None, help="Candidate: alias (smollm2-135m), HF/quantized model dir or .gguf."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference model to compare against."),
+    ppl_data: Optional[str] = typer.Option(None, "--ppl-data", help="Text for perplexity/KL: .txt, or .jsonl/.json "
+                                           "with `text` fields (joined with a blank line)."),
+    seq_len: int = typer.Option(2048, help="Tokens per perplexity window."),
+    stride: Optional[int] = typer.Option(None, help="Sliding windows: score only the last STRIDE tokens of each "
+                                         "(default: seq-len, non-overlapping)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Use only the first N tokens of the eval text."),
+    task: list[str] = typer.Option([], "--task", help="lm-eval task YAML (multiple_choice or generate_until); "
+                                   "repeatable."),
+    limit: Optional[int] = typer.Option(None, help="Only the first N documents of each task."),
+    harness: str = typer.Option("llmopt", help="llmopt|lm-eval: who runs the tasks (lm-eval: transformers "
+                                "model through lm-eval's HFLM, a cross-check)."),
+    gate: list[str] = typer.Option([], "--gate", help="METRIC OP NUMBER, e.g. ppl_increase_pct<=5, acc_drop<=1.0, "
+                                   "top1_agreement>=0.9; repeatable."),
+    dtype: str = typer.Option("float32", help="float32|bfloat16|float16 for both models."),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    kv_cache_dtype: str = typer.Option("auto", help="Candidate KV cache: auto|int8."),
+    baseline_dtype: Optional[str] = typer.Option(None, help="Baseline dtype (default: --dtype)."),
+    baseline_kv_cache_dtype: str = typer.Option("auto", help="Baseline KV cache: auto|int8."),
+    max_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per scoring forward (default: a few windows)."),
+    report: Optional[str] = typer.Option(None, "--report", help="Write a Markdown report here (atomically)."),
+    bisect: bool = typer.Option(False, "--bisect", help="Attribute the candidate's drop to its optimizations and "
+                                "layers (needs --baseline and --ppl-data)."),
+    bisect_plot: Optional[str] = typer.Option(None, "--bisect-plot", help="PNG of the per-layer sensitivity."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity, KL/top-1 vs a baseline and lm-eval task accuracy through the engine, with CI gates."""
+    from llmopt.eval.command import eval_command
+    from llmopt.eval.options import EvalOptions
+
+    opts = EvalOptions(model=model, baseline=baseline, ppl_data=ppl_data, seq_len=seq_len, stride=stride,
+                       max_tokens=max_tokens, tasks=task, limit=limit, harness=harness, gates=gate, dtype=dtype,
+                       device=device, kv_cache_dtype=kv_cache_dtype, baseline_dtype=baseline_dtype,
+                       baseline_kv_cache_dtype=baseline_kv_cache_dtype, max_batch_tokens=max_batch_tokens,
+                       report=report, bisect=bisect, bisect_plot=bisect_plot)
+    eval_command(opts, as_json=as_json, console=console, err_console=err_console)
+
+
+def _error(message: str) -> None:
+    """One line on stderr; the message is printed literally (brackets in it are not rich markup)."""
+    err_console.print("[bold red]error:[/] ", end="")
+    err_console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2 (1 for failed gates)."""
     from pydantic import ValidationError
 
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
     except LlmoptError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _error(str(e))
         sys.exit(e.exit_code)
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        err_console.print(f"[bold red]error:[/] invalid {loc or 'input'}: {first.get('msg')}", highlight=False,
-                          soft_wrap=True)
+        _error(f"invalid {loc or 'input'}: {first.get('msg')}")
         sys.exit(2)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        err_console.print("aborted")
-        sys.exit(130)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+    except Exception as e:
+        # typer ships its own copy of click, so usage errors are recognised by shape, not by class
+        if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()
             sys.exit(2)
-        if isinstance(e, click.exceptions.Exit):
+        if type(e).__name__ == "Abort":
+            err_console.print("aborted")
+            sys.exit(130)
+        if isinstance(getattr(e, "exit_code", None), int):  # typer.Exit / click Exit
             sys.exit(e.exit_code)
         raise
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

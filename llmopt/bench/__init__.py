@@ -1,13 +1,18 @@
 """`llmopt bench`: measure TTFT, TPOT, ITL, throughput and goodput against a server or the in-process engine.
 
-The measurement core is target-agnostic: a target is any `async send(BenchRequest) -> RequestRecord`
-(`HttpTarget.send` for OpenAI-compatible servers, the engine's adapter offline). `run_load` drives it under
-a `LoadPattern`, `compute_metrics` applies vLLM's definitions, `find_knee` picks the load to run at, and
-`report` writes and compares the results.
+The measurement core is target-agnostic: every target turns requests into `RequestRecord`s.
+`HttpTarget.send` (an OpenAI-compatible server) is driven by `run_load` under a `LoadPattern`;
+`OfflineEngineTarget` drives our engine in-process under the same patterns, emulating the client.
+`compute_metrics` applies vLLM's definitions, `find_knee` picks the load to run at, `report` writes and
+compares the results, `scenarios` compares engine variants (static vs continuous batching, prefix cache).
+
+`run_bench(BenchOptions(...).build())` is the whole `llmopt bench` command as one call.
 """
 
 from __future__ import annotations
 
+from llmopt.bench.config import BenchConfig, BenchOptions
+from llmopt.bench.engine_counters import StepStatsCollector
 from llmopt.bench.http_target import (
     HttpTarget,
     HttpTargetConfig,
@@ -21,6 +26,7 @@ from llmopt.bench.http_target import (
 from llmopt.bench.knee import Knee, SweepPoint, find_knee
 from llmopt.bench.load import LoadPattern, LoadResult, arrival_schedule, parse_sweep, run_load
 from llmopt.bench.metrics import LatencyStats, RunMetrics, Slo, apply_slo, compute_metrics, parse_slo
+from llmopt.bench.offline import OfflineEngineTarget
 from llmopt.bench.records import RecordTimer, RequestRecord
 from llmopt.bench.report import (
     BenchReport,
@@ -38,6 +44,9 @@ from llmopt.bench.report import (
     write_markdown,
     write_plot,
 )
+from llmopt.bench.runner import BenchInterrupted, BenchOutcome, run_bench, show_comparison
+from llmopt.bench.scenario_report import ScenarioReport, VariantResult, compare_files
+from llmopt.bench.scenarios import SCENARIOS, Scenario, ScenarioParams, Variant, build_scenario
 from llmopt.bench.workloads import (
     BenchRequest,
     JsonlWorkload,
@@ -51,6 +60,11 @@ from llmopt.bench.workloads import (
 )
 
 __all__ = [
+    "SCENARIOS",
+    "BenchConfig",
+    "BenchInterrupted",
+    "BenchOptions",
+    "BenchOutcome",
     "BenchReport",
     "BenchRequest",
     "BenchRun",
@@ -64,21 +78,30 @@ __all__ = [
     "LoadPattern",
     "LoadResult",
     "MetricsSnapshot",
+    "OfflineEngineTarget",
     "PrefixWorkload",
     "RandomWorkload",
     "RecordTimer",
     "RequestRecord",
     "RunMetrics",
+    "Scenario",
+    "ScenarioParams",
+    "ScenarioReport",
     "ServerMetrics",
     "Slo",
     "SseParser",
+    "StepStatsCollector",
     "SweepPoint",
     "TargetInfo",
+    "Variant",
+    "VariantResult",
     "WorkloadSpec",
     "apply_slo",
     "arrival_schedule",
     "build_requests",
+    "build_scenario",
     "check_reachable",
+    "compare_files",
     "compare_reports",
     "compute_metrics",
     "diff_metrics",
@@ -92,8 +115,10 @@ __all__ = [
     "render_comparison",
     "render_report",
     "render_summary",
+    "run_bench",
     "run_load",
     "scrape_metrics",
+    "show_comparison",
     "to_markdown",
     "write_json",
     "write_markdown",

@@ -409,7 +409,13 @@ class ServerMetrics(BaseModel):
     spec_decode_mean_acceptance_length: float | None = Field(
         None, description="Tokens emitted per verification step: 1 + accepted / drafts.")
     preemptions: float | None = None
-    counters: dict[str, float] = Field(default_factory=dict, description="Every *_total that changed.")
+    kv_cache_usage_peak: float | None = Field(
+        None, description="Highest KV-cache pool usage (0..1) seen during the run; offline engine only.")
+    mean_batch_size: float | None = Field(
+        None, description="Sequences per engine step, averaged over steps that ran; offline engine only.")
+    counters: dict[str, float] = Field(
+        default_factory=dict,
+        description="Counters that changed during the run: every *_total over HTTP, engine step counts offline.")
 
 
 _PREFIXES = ("llmopt:", "vllm:")

@@ -14,9 +14,10 @@ growing: past the knee, extra load buys queueing delay, not throughput. Two rule
    other way: throughput still scales with latency, the sweep never saturated, and we recommend its
    highest-throughput point while saying so.
 
-Degenerate sweeps: one usable point is returned as is; a frontier of one point (flat throughput) returns
-the lowest-latency point, since more load bought nothing; a frontier of two points has no curvature, so
-the higher-throughput one is returned with advice to sweep more levels.
+Degenerate sweeps: one usable point is returned as is; a frontier of one point is the point that beats all
+others on both axes: the lowest-latency one when more load bought nothing (flat throughput), or, when it is
+the highest load measured, a sign that the sweep stopped before latency started to grow; a frontier of
+two points has no curvature, so the higher-throughput one is returned with advice to sweep more levels.
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def find_knee(
 
     frontier = _pareto(usable, points)
     if len(frontier) == 1:
-        return knee("flat", frontier[0], run_with(frontier[0], " (more load did not raise throughput)"))
+        best = frontier[0]
+        if points[best].x >= max(points[i].x for i in usable):  # the highest load beat every other level
+            return knee("flat", best, run_with(best, " (it beat every lower load on both throughput and "
+                                                     "latency; try higher load)"))
+        return knee("flat", best, run_with(best, " (more load did not raise throughput)"))
     if len(frontier) == 2:
         return knee("too_few_points", frontier[-1],
                     run_with(frontier[-1], " (too few load levels to find a bend; sweep more)"))

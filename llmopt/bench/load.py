@@ -137,7 +137,8 @@ class LoadResult(BaseModel):
     interrupted: bool = False
 
 
-def _make_progress(console: Console | None, enabled: bool) -> Progress:
+def make_progress(console: Console | None, enabled: bool) -> Progress:
+    """The live bar every phase of a benchmark shares: done/total, failures so far, elapsed and remaining."""
     return Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),
@@ -239,7 +240,7 @@ async def run_load(
         raise LlmoptError(f"warm-up count must be non-negative, got {warmup}")
     desc = description or pattern.label()
     own = not isinstance(progress, Progress)
-    bar = _make_progress(console, bool(progress)) if own else progress
+    bar = make_progress(console, bool(progress)) if own else progress
     assert isinstance(bar, Progress)
 
     def advance(task_id: TaskID) -> Callable[[RequestRecord], None]:

@@ -72,7 +72,7 @@ def parse_slo(text: str) -> Slo:
     for item in items:
         m = _SLO_ITEM_RE.match(item)
         if not m:
-            raise LlmoptError(f"cannot parse SLO item {item!r}: use METRIC=VALUE[ms|s|us], e.g. ttft=1000ms")
+            raise LlmoptError(f"cannot parse SLO item {item!r}: use METRIC=VALUE with a unit of ms, s or us, e.g. ttft=1000ms")
         name, value, unit = m.group(1).lower(), float(m.group(2)), m.group(3).lower()
         if name not in _SLO_METRICS:
             raise LlmoptError(f"unknown SLO metric {name!r} in {text!r}: choose from {', '.join(_SLO_METRICS)}")

@@ -48,6 +48,8 @@ class TargetInfo(BaseModel):
     model: str | None = None
     endpoint: str | None = Field(None, description="completions | chat | auto (HTTP only).")
     server: str | None = Field(None, description="`owned_by` from /v1/models: llmopt, vllm, llamacpp, ...")
+    engine: dict[str, Any] | None = Field(
+        None, description="Offline: the EngineConfig used, plus the dtype and device it resolved to.")
 
 
 class BenchRun(RunMetrics):
@@ -269,6 +271,8 @@ def summary_rows(run: BenchRun) -> list[tuple[str, str] | str]:
              None if sm.spec_decode_acceptance_rate is None else 100 * sm.spec_decode_acceptance_rate),
             ("Spec decode acceptance length:", sm.spec_decode_mean_acceptance_length),
             ("Preemptions:", sm.preemptions),
+            ("Peak KV cache usage (%):", None if sm.kv_cache_usage_peak is None else 100 * sm.kv_cache_usage_peak),
+            ("Mean batch size (seqs/step):", sm.mean_batch_size),
         ) if v is not None]
         if extra:
             rows.append("Server metrics")
@@ -334,7 +338,7 @@ def _figure_png(report: BenchReport) -> bytes:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise LlmoptError("--plot needs matplotlib: pip install 'llmopt[bench]'") from None
+        raise LlmoptError("--plot needs matplotlib: pip install matplotlib (or the llmopt bench extra)") from None
 
     # Figure + the Agg canvas directly: no pyplot, so no global backend switch and no GUI
     fig = Figure(figsize=(16, 4.8), layout="constrained")
@@ -399,6 +403,9 @@ _COMPARE_METRICS: list[tuple[str, str, Literal["higher", "lower"]]] = [
     ("ITL p99 ms", "itl_ms.p99", "lower"),
     ("E2EL p99 ms", "e2el_ms.p99", "lower"),
     ("failed", "failed", "lower"),
+    ("prefix hit rate", "server_metrics.prefix_cache_hit_rate", "higher"),
+    ("preemptions", "server_metrics.preemptions", "lower"),
+    ("mean batch size", "server_metrics.mean_batch_size", "higher"),
 ]
 
 
@@ -424,6 +431,8 @@ class Comparison(BaseModel):
 def _get(run: BenchRun, dotted: str) -> float | None:
     obj: Any = run
     for part in dotted.split("."):
+        if obj is None:
+            return None  # e.g. server_metrics of a target without /metrics
         obj = getattr(obj, part)
     return None if obj is None else float(obj)
 
@@ -432,26 +441,44 @@ def compare_reports(paths: Sequence[str | Path]) -> Comparison:
     """Load reports and line up their runs by load label; ratios are against the first report."""
     if len(paths) < 2:
         raise LlmoptError("--compare needs at least two report files")
-    reports = [load_report(p) for p in paths]
-    labels: list[str] = []
-    for rep in reports:
-        labels += [r.label for r in rep.runs if r.label not in labels]
-    by_label = [{r.label: r for r in rep.runs} for rep in reports]
+    return compare_named([(str(p), load_report(p)) for p in paths])
+
+
+def compare_named(named: Sequence[tuple[str, BenchReport]], *, match: Literal["label", "index"] = "label"
+                  ) -> Comparison:
+    """Line up the runs of already-loaded reports; ratios are against the first one.
+
+    `match="label"` pairs runs with the same load label (reports from different invocations);
+    `match="index"` pairs the i-th run of every report, for variants of one scenario that ran the same
+    load levels under different labels (e.g. `static batches of 8` and `concurrency 8`).
+    """
+    reports = [rep for _, rep in named]
+    keyed: list[dict[str, BenchRun]] = []
+    keys: list[str] = []
+    if match == "label":
+        for rep in reports:
+            keys += [r.label for r in rep.runs if r.label not in keys]
+        keyed = [{r.label: r for r in rep.runs} for rep in reports]
+    else:
+        for i in range(max(len(rep.runs) for rep in reports)):
+            labels = list(dict.fromkeys(rep.runs[i].label for rep in reports if i < len(rep.runs)))
+            keys.append(" vs ".join(labels))
+        keyed = [{k: rep.runs[i] for i, k in enumerate(keys) if i < len(rep.runs)} for rep in reports]
     rows: list[CompareRow] = []
-    for label in labels:
+    for key in keys:
         for name, field, better in _COMPARE_METRICS:
-            values = [_get(runs[label], field) if label in runs else None for runs in by_label]
+            values = [_get(runs[key], field) if key in runs else None for runs in keyed]
             if all(v is None for v in values):
                 continue
             base = values[0]
             cells = [CompareCell(value=v, ratio=(v / base) if v is not None and base else None) for v in values]
-            rows.append(CompareRow(run=label, metric=name, better=better, cells=cells))
-    return Comparison(reports=[str(p) for p in paths], rows=rows)
+            rows.append(CompareRow(run=key, metric=name, better=better, cells=cells))
+    return Comparison(reports=[name for name, _ in named], rows=rows)
 
 
-def render_comparison(cmp: Comparison, console: Console, tolerance: float = 0.02) -> None:
+def render_comparison(cmp: Comparison, console: Console, tolerance: float = 0.02, title: str | None = None) -> None:
     """Rich table; a ratio is green when better than the baseline by more than `tolerance`, red when worse."""
-    table = Table(title="llmopt bench --compare (ratios vs the first report)", title_style="bold")
+    table = Table(title=title or "llmopt bench --compare (ratios vs the first report)", title_style="bold")
     table.add_column("load")
     table.add_column("metric")
     for i, name in enumerate(cmp.reports):
@@ -474,3 +501,18 @@ def render_comparison(cmp: Comparison, console: Console, tolerance: float = 0.02
         table.add_row(row.run if row.run != last else "", row.metric, *cells)
         last = row.run
     console.print(table)
+
+
+def comparison_markdown(cmp: Comparison) -> str:
+    """The comparison as a Markdown table: each value with its ratio to the first column in parentheses."""
+    head = ["load", "metric"] + [Path(n).name + (" (base)" if i == 0 else "") for i, n in enumerate(cmp.reports)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * len(cmp.reports)) + "|"]
+    for row in cmp.rows:
+        cells = []
+        for i, c in enumerate(row.cells):
+            text = "-" if c.value is None else f"{c.value:.2f}"
+            if i > 0 and c.value is not None and c.ratio is not None:
+                text += f" (x{c.ratio:.2f})"
+            cells.append(text)
+        lines.append("| " + " | ".join([row.run, row.metric, *cells]) + " |")
+    return "\n".join(lines) + "\n"

@@ -134,6 +134,10 @@ class LLMEngine:
             n = int(free * 0.85 - 1024**3) // per_block
         else:
             n = DEFAULT_CPU_KV_MEMORY // per_block
+        if c.kv_cache_memory is None:
+            # never preallocate more than max_num_seqs full-length sequences can use
+            max_len = min(c.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+            n = min(n, c.max_num_seqs * -(-max_len // c.block_size))
         if n < 1:
             raise LlmoptError(f"KV cache memory is too small for one block of {c.block_size} tokens "
                               f"({per_block} bytes)")
