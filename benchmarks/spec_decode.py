@@ -1,7 +1,8 @@
 """Speculative decoding, measured side by side in one run: single-stream decode with and without
-n-gram prompt lookup, on input-grounded prompts and on open-ended chat prompts.
+speculation (n-gram prompt lookup or the layer-skip self-draft), on input-grounded prompts and on
+open-ended chat prompts.
 
-    python benchmarks/spec_decode.py --dtype bfloat16 [--k 4] [--max-tokens 128]
+    python benchmarks/spec_decode.py --dtype bfloat16 [--method ngram|layer_skip] [--k 4] [--max-tokens 128]
 
 Outputs are greedy, so they must be identical; the script checks it.
 """
@@ -58,13 +59,18 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--method", default="ngram", choices=["ngram", "layer_skip"])
+    ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip: layers in the self-draft")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     plain = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
-    spec = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
-               speculative={"method": "ngram", "num_speculative_tokens": args.k})
-    results = {"model": args.model, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens}
+    spec_cfg = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.draft_layers:
+        spec_cfg["draft_layers"] = args.draft_layers
+    spec = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, speculative=spec_cfg)
+    results = {"model": args.model, "dtype": args.dtype, "method": args.method, "k": args.k,
+               "draft_layers": args.draft_layers, "max_tokens": args.max_tokens}
     for name, prompts in (("grounded", GROUNDED), ("open_ended", OPEN_ENDED)):
         run(plain, prompts[:1], 8)  # warm-up
         run(spec, prompts[:1], 8)

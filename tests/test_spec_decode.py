@@ -121,3 +121,22 @@ def test_large_batches_skip_speculation(tiny_llama):
     spec = LLM(str(tiny_llama), dtype="float32", speculative=cfg)
     spec.generate(_repetitive_prompts(6), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert spec.engine.spec_counters.skipped_steps > 0
+
+
+def test_layer_skip_self_draft_greedy_identity(tiny_llama):
+    plain = LLM(str(tiny_llama), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = _repetitive_prompts(4) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    half = LLM(str(tiny_llama), dtype="float32", speculative={"method": "layer_skip", "draft_layers": 1,
+                                                             "max_batch_size": 64})
+    assert [o.outputs[0].token_ids for o in half.generate(prompts, params)] == ref
+    assert half.engine.spec_counters.num_draft_tokens > 0
+    bm = half.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    # a "draft" made of every layer is the target itself: nearly every draft must be accepted, which
+    # checks that draft positions, slots and the verification offsets line up
+    full = LLM(str(tiny_llama), dtype="float32", speculative={"method": "layer_skip", "draft_layers": 2,
+                                                             "max_batch_size": 64})
+    assert [o.outputs[0].token_ids for o in full.generate(prompts, params)] == ref
+    assert full.engine.spec_counters.acceptance_rate > 0.95

@@ -222,6 +222,8 @@ class LLMEngine:
             for seq in self.scheduler.running:
                 if seq.spec_tokens and seq.seq_id not in scheduled_ids:
                     seq.spec_tokens = []
+            if self.spec_config.method == "layer_skip":
+                self._run_self_draft(sched.scheduled)
         t1 = time.perf_counter()
         outputs = self._pending
         self._pending = []
@@ -273,8 +275,23 @@ class LLMEngine:
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(spec.num_speculative_tokens, room)
-            if k > 0:
+            if k <= 0:
+                continue
+            if spec.method == "ngram":
                 seq.spec_tokens = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:  # layer_skip: reserve k slots now; the draft fills them after scheduling
+                seq.spec_tokens = [0] * k
+
+    def _run_self_draft(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Fill reserved draft slots with the early-exit self-draft's greedy tokens, k passes batched."""
+        seqs = [s for s, _ in scheduled if s.spec_tokens]
+        layers = self.spec_config.draft_layers or max(1, self.spec.num_layers // 2)
+        for j in range(max((len(s.spec_tokens) for s in seqs), default=0)):
+            active = [s for s in seqs if len(s.spec_tokens) > j]
+            tokens = [s.token_ids[-1] if j == 0 else s.spec_tokens[j - 1] for s in active]
+            positions = [s.num_tokens - 1 + j for s in active]
+            for s, t in zip(active, self.runner.draft_decode(active, tokens, positions, layers), strict=True):
+                s.spec_tokens[j] = t
 
     def _accept_drafts(self, seq: Sequence, logits: torch.Tensor, now: float) -> int:
         """Verify a speculating sequence's drafts; append what is accepted plus the target's token.

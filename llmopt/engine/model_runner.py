@@ -94,18 +94,38 @@ class ModelRunner:
                 if c + 1 == seq.num_tokens:
                     logit_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
-            max_ctx = max(ctx_lens)
-            max_blocks = -(-max_ctx // bs)
-            bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
-                              dtype=torch.long, device=dev)
-            p = torch.arange(max_ctx, device=dev)
-            meta.decode_slots = bt[:, p // bs] * bs + (p % bs)
-            lens = torch.tensor(ctx_lens, device=dev)
-            meta.decode_mask = (p.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+            meta.decode_slots, meta.decode_mask = self._decode_gather(tables, ctx_lens)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes)
+
+    def _decode_gather(self, tables: list[list[int]], ctx_lens: list[int]):
+        """Gather indices [B, max_ctx] into the pool and the padding mask [B, 1, 1, max_ctx]."""
+        bs, dev = self.block_size, self.device
+        max_ctx = max(ctx_lens)
+        max_blocks = -(-max_ctx // bs)
+        bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
+                          dtype=torch.long, device=dev)
+        p = torch.arange(max_ctx, device=dev)
+        lens = torch.tensor(ctx_lens, device=dev)
+        return bt[:, p // bs] * bs + (p % bs), (p.unsqueeze(0) < lens.unsqueeze(1)).view(len(tables), 1, 1, max_ctx)
+
+    @torch.inference_mode()
+    def draft_decode(self, seqs: list[Sequence], tokens: list[int], positions: list[int],
+                     num_layers: int) -> list[int]:
+        """One greedy step of the layer-skip self-draft: the first `num_layers` layers plus the final
+        norm and head, one token per sequence at `positions`. It writes those layers' K/V into the
+        shared pool; the target's verification pass overwrites the same slots with identical values."""
+        bs = self.block_size
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
+        meta.decode_slots, meta.decode_mask = self._decode_gather([s.block_table for s in seqs],
+                                                                  [p + 1 for p in positions])
+        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device),
+                            self.cache, meta, num_layers=num_layers)
+        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:

@@ -12,6 +12,10 @@ else in the step); `verify` keeps the longest acceptable prefix plus one token f
 
 KV slots written for rejected drafts are simply not counted as computed (`num_computed_tokens` only
 advances over accepted tokens), so they are overwritten later and never enter the prefix cache.
+Two proposers: `ngram` (prompt lookup, no extra model) and `layer_skip`, a self-draft made of the
+target's first layers plus its final norm and head. The self-draft shares the target's paged KV pool:
+its K/V for those layers equal the target's, so it needs no cache of its own and no catch-up.
+
 Speculation is skipped per request when its running acceptance rate falls below a threshold, and for
 the whole step when the batch is large enough that verification costs more than it saves.
 """
@@ -31,8 +35,10 @@ from llmopt.engine.sampling_params import SamplingParams
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "layer_skip"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # layer_skip: the target's first `draft_layers` layers + its head draft greedily (default: half)
+    draft_layers: int | None = Field(None, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(5, ge=1)
     # dynamic disable: a request stops speculating once it has proposed at least `disable_min_drafts`

@@ -91,12 +91,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]. `num_layers` runs only the
+        first layers (an early-exit self-draft for speculative decoding)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden, residual = layer(rope, hidden, residual, cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
