@@ -140,3 +140,22 @@ def test_layer_skip_self_draft_greedy_identity(tiny_llama):
                                                              "max_batch_size": 64})
     assert [o.outputs[0].token_ids for o in full.generate(prompts, params)] == ref
     assert full.engine.spec_counters.acceptance_rate > 0.95
+
+
+def test_bench_speculation_scenario_reports_acceptance(tiny_llama, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "grounded.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": "the KV cache stores keys and values " * 8, "max_tokens": 24})
+                              for _ in range(4)) + "\n")
+    r = subprocess.run([sys.executable, "-m", "llmopt", "bench", "--model", str(tiny_llama), "--dtype", "float32",
+                        "--kv-cache-memory", "16MiB", "--scenario", "speculation", "--workload", "jsonl",
+                        "--dataset", str(data), "--concurrency", "1", "--json", str(tmp_path / "s.json"),
+                        "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "s.json").read_text())
+    off, on = (v["report"]["runs"][0]["server_metrics"] for v in rep["variants"])
+    assert off["spec_decode_draft_tokens"] is None
+    assert on["spec_decode_draft_tokens"] > 0 and 0 <= on["spec_decode_acceptance_rate"] <= 1

@@ -2,7 +2,7 @@
 
 Over HTTP we diff Prometheus counters before and after a run. Offline there is no scrape: the engine calls
 every function in `engine.stat_listeners` with a `StepStats` after each step, and this collector sums the
-per-step deltas (prefix-cache queries and hits, preemptions) between `reset()` and `server_metrics()`. The
+per-step deltas (prefix-cache queries and hits, preemptions, speculative drafts and acceptances) between `reset()` and `server_metrics()`. The
 report and the comparison table then treat both targets alike.
 """
 
@@ -35,6 +35,9 @@ class StepStatsCollector:
         self.kv_usage_peak = 0.0
         self.step_time_s = 0.0
         self.forward_time_s = 0.0
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted = 0
 
     def __call__(self, s: StepStats) -> None:
         self.steps += 1
@@ -46,6 +49,9 @@ class StepStatsCollector:
         self.kv_usage_peak = max(self.kv_usage_peak, s.kv_cache_usage)
         self.step_time_s += s.step_time
         self.forward_time_s += s.forward_time
+        self.spec_drafts += s.spec_num_drafts
+        self.spec_draft_tokens += s.spec_num_draft_tokens
+        self.spec_accepted += s.spec_num_accepted_tokens
         if s.batch_size > 0:
             self.busy_steps += 1
             self.batched_seqs += s.batch_size
@@ -57,6 +63,12 @@ class StepStatsCollector:
             prefix_cache_queries=float(self.prefix_queries),
             prefix_cache_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
             preemptions=float(self.preemptions),
+            spec_decode_draft_tokens=float(self.spec_draft_tokens) if self.spec_drafts else None,
+            spec_decode_accepted_tokens=float(self.spec_accepted) if self.spec_drafts else None,
+            spec_decode_acceptance_rate=(self.spec_accepted / self.spec_draft_tokens
+                                         if self.spec_draft_tokens else None),
+            spec_decode_mean_acceptance_length=(1 + self.spec_accepted / self.spec_drafts
+                                                if self.spec_drafts else None),
             kv_cache_usage_peak=self.kv_usage_peak,
             mean_batch_size=self.batched_seqs / self.busy_steps if self.busy_steps else None,
             counters={

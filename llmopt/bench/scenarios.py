@@ -5,8 +5,9 @@ each optimization we want to measure needs:
 
 * `static-vs-continuous`: one engine; `batching="static"` vs `"continuous"` at the same slot count.
 * `prefix-cache`: `enable_prefix_caching` False vs True.
-* later, speculation (`{"speculative": {...}}` vs none) and quantized vs baseline (`{"model": QUANT_DIR}`
-  vs the original): a new entry in `SCENARIOS` with its overrides, nothing else changes.
+* `speculation`: no speculation vs n-gram prompt lookup.
+* later, quantized vs baseline (`{"model": QUANT_DIR}` vs the original): a new entry in `SCENARIOS`
+  with its overrides, nothing else changes.
 
 The first variant is the baseline; the comparison divides every other variant's metrics by it.
 """
@@ -80,9 +81,23 @@ def _prefix_cache(p: ScenarioParams) -> Scenario:
     )
 
 
+def _speculation(p: ScenarioParams) -> Scenario:
+    return Scenario(
+        name="speculation",
+        description="speculative decoding off vs n-gram prompt lookup (k=4); greedy outputs are identical",
+        variants=[
+            Variant(name="spec-off", description="one token per sequence per step"),
+            Variant(name="spec-ngram", engine_overrides={"speculative": {"method": "ngram",
+                                                                         "num_speculative_tokens": 4}},
+                    description="drafts from earlier occurrences in prompt + output, verified in one pass"),
+        ],
+    )
+
+
 SCENARIOS: dict[str, Callable[[ScenarioParams], Scenario]] = {
     "static-vs-continuous": _static_vs_continuous,
     "prefix-cache": _prefix_cache,
+    "speculation": _speculation,
 }
 
 

@@ -121,6 +121,7 @@ class LLMEngine:
         self.stat_listeners: list[Callable[[StepStats], None]] = []
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self._last_spec = (0, 0, 0)
         self._next_id = 0
 
     def _num_blocks(self, per_block: int) -> int:
@@ -413,6 +414,9 @@ class LLMEngine:
         self._last_prefix = (bm.prefix_queries, bm.prefix_hits)
         pre = self.scheduler.num_preemptions - self._last_preemptions
         self._last_preemptions = self.scheduler.num_preemptions
+        sc = self.spec_counters
+        d0, t0_, a0 = self._last_spec
+        self._last_spec = (sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens)
         stats = StepStats(
             now=t2, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_queries - q0,
@@ -420,6 +424,9 @@ class LLMEngine:
             num_prefill_tokens=n_prefill, num_decode_tokens=n_decode, schedule_time=t1 - t0,
             prepare_time=prepare, forward_time=forward, sample_time=sample,
             postprocess_time=max(0.0, (t2 - t1) - prepare - forward - sample), step_time=t2 - t0,
+            spec_num_drafts=sc.num_drafts - d0, spec_num_draft_tokens=sc.num_draft_tokens - t0_,
+            spec_num_accepted_tokens=sc.num_accepted_tokens - a0,
+            spec_enabled=self.spec_config is not None and self.spec_enabled,
             new_tokens=new_tokens, finished=finished)
         for listener in self.stat_listeners:
             listener(stats)

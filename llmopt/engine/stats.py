@@ -34,6 +34,10 @@ class StepStats:
     sample_time: float
     postprocess_time: float
     step_time: float
+    spec_num_drafts: int = 0  # verification steps of speculating sequences (this step)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_enabled: bool = False
     new_tokens: list[tuple[str, float]] = field(default_factory=list)  # (request_id, time) per token
     finished: list[FinishedRequest] = field(default_factory=list)
 
