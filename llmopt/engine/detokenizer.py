@@ -17,12 +17,13 @@ def init_offsets(seq: Sequence) -> None:
     seq.read_offset = seq.num_prompt_tokens
 
 
-def detokenize_step(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
-    """Return the text added by the tokens appended since the last call (may be empty)."""
+def detokenize_step(tokenizer, seq: Sequence, skip_special_tokens: bool = True, final: bool = False) -> str:
+    """Return the text added by the tokens appended since the last call (may be empty). With `final`,
+    nothing is held back: an incomplete character at the very end comes out as U+FFFD, as in vLLM."""
     ids = seq.token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
-    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+    if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
         delta = full[len(prefix):]
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(ids)

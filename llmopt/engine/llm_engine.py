@@ -111,8 +111,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
-        self.spec_config: SpeculativeConfig | None = (SpeculativeConfig(**config.speculative)
-                                                      if config.speculative else None)
+        self.spec_config: SpeculativeConfig | None = config.speculative
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
         self.spec_counters = SpecCounters(self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self.requests: dict[str, _Request] = {}
@@ -355,6 +354,7 @@ class LLMEngine:
             if p.stop and self._check_stop_strings(seq, before):
                 return self._finish(seq, "stop")
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            seq.output_text += detokenize_step(self.tokenizer, seq, p.skip_special_tokens, final=True)
             return self._finish(seq, "length")
 
     def _check_stop_strings(self, seq: Sequence, before: int) -> bool:

@@ -1,0 +1,79 @@
+"""Prompts: text, token ids and chat messages turned into token ids, on the asyncio side.
+
+The server keeps a tokenizer of its own (loaded from the engine's weights directory) so that the
+handlers never touch the engine's, which belongs to the engine thread. Encoding matches the engine's
+and `LLM`'s exactly: completions use `tokenizer.encode(prompt)` (special tokens added as the tokenizer
+does), chat renders the template and encodes without adding special tokens (the template has them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmopt.serve.errors import ApiError
+
+
+def load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} contains invalid unicode (a lone surrogate)", param=param,
+                       code="invalid_unicode") from None
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._piece_cache: dict[int, str] = {}
+
+    def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, f"{param} must not be empty", param=param)
+            _check_unicode(prompt, param)
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+            if any(t >= self.vocab_size for t in ids):
+                raise ApiError(400, f"{param}: token ids must be in [0, {self.vocab_size})", param=param)
+        if not ids:
+            raise ApiError(400, f"{param} must not be empty", param=param)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        for i, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages.{i}.content")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # jinja errors for conversations the template refuses
+            raise ApiError(400, f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
+                           param="messages") from None
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ApiError(400, "the conversation renders to an empty prompt", param="messages")
+        return ids
+
+    def check_length(self, ids: list[int], param: str) -> None:
+        """400 for prompts that leave no room for one output token."""
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"{param} has {len(ids)} tokens, but this server's maximum context length is "
+                           f"{self.max_model_len} tokens (prompt plus at least one output token)",
+                           param=param, code="context_length_exceeded")
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token, for logprobs."""
+        s = self._piece_cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            if len(self._piece_cache) < 200_000:
+                self._piece_cache[token_id] = s
+        return s
