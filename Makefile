@@ -28,8 +28,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 install: $(STAMP)
 
 demo: install
-	$(PY) -m llmopt vram-plan smollm2-135m --seq-len 2048 --batch 8 --gpu-memory 24GiB
-	$(PY) -m llmopt vram-plan smollm2-135m --weight-dtype int8 --kv-dtype int8 --seq-len 8192 --gpu-memory 4GiB --num-gpus 2
+	$(PY) -m llmopt run recipes/quickstart.yaml
 	$(PY) -m llmopt generate smollm2-135m --chat --max-tokens 48 --prompt "What is a KV cache, in one sentence?"
 
 lint: install
