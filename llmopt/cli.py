@@ -434,6 +434,52 @@ def _error(message: str) -> None:
     err_console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+@app.command("run")
+def run(
+    recipe: str = typer.Argument(..., help="Recipe YAML (see recipes/ and docs/RECIPES.md)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Run directory (default: runs/RECIPE_NAME)."),
+    stages: Optional[str] = typer.Option(None, "--stages", help="Only these stages, comma-separated: vram_plan, "
+                                         "calibrate, quantize, eval, serve, bench."),
+    set_: list[str] = typer.Option([], "--set", help="KEY.PATH=VALUE (a YAML value) applied before validation, e.g. "
+                                   "quantize.scheme=w4a16; repeatable."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print which stages would run or be skipped."),
+    force: bool = typer.Option(False, "--force", help="Rerun the selected stages even when their inputs are unchanged."),
+    as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object on stdout."),
+) -> None:
+    """Run a recipe: memory plan, calibrate, quantize, eval, serve smoke test, bench; exit 1 when a gate fails."""
+    from llmopt.recipe.command import run_command
+    from llmopt.recipe.runner import RunRequest
+
+    run_command(RunRequest(recipe=recipe, out=out, stages=stages, overrides=set_, dry_run=dry_run, force=force),
+                as_json=as_json, console=console, err_console=err_console)
+
+
+recipe_app = typer.Typer(help="Check recipes and print their JSON Schema.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("validate")
+def recipe_validate(
+    recipe: str = typer.Argument(..., help="Recipe YAML."),
+    set_: list[str] = typer.Option([], "--set", help="KEY.PATH=VALUE applied before validation; repeatable."),
+    stages: Optional[str] = typer.Option(None, "--stages", help="Check that these stages can be selected."),
+) -> None:
+    """Check a recipe without running it: every problem on one line with file:line and key (exit 2)."""
+    from llmopt.recipe.command import validate_command
+
+    rc = validate_command(recipe, set_, stages, console=console, err_console=err_console)
+    if rc:
+        raise typer.Exit(rc)
+
+
+@recipe_app.command("schema")
+def recipe_schema() -> None:
+    """Print the JSON Schema of a recipe (for editors and linters)."""
+    from llmopt.recipe.command import schema_text
+
+    sys.stdout.write(schema_text())
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2 (1 for failed gates)."""
     from pydantic import ValidationError

@@ -1,0 +1,254 @@
+"""Evaluate a candidate (optionally against a baseline) and check quality gates.
+
+Everything that can be wrong with the input (data files, task YAMLs, templates, gate expressions,
+gate metrics that this run would not measure) is checked *before* any model is loaded, so a typo
+costs a second, not a perplexity run. Then both models are loaded (SmolLM2-class models fit twice
+easily; the KV pools are sized for scoring, not serving), the eval text is scored by both in lockstep
+(perplexity of each, KL(baseline || candidate), top-1 agreement), and each task runs on both.
+
+Metric names (what `--gate` accepts) are listed in `metric_names`; see docs/EVAL.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmopt.devices import resolve_device
+from llmopt.engine.llm import LLM
+from llmopt.errors import LlmoptError
+from llmopt.eval.bisect import BisectResult, run_bisect
+from llmopt.eval.engines import build_llm
+from llmopt.eval.metrics import mean_stderr
+from llmopt.eval.options import EvalOptions
+from llmopt.eval.perplexity import TextScore, default_batch_tokens, score_text
+from llmopt.eval.runner import TaskResult, evaluate_task
+from llmopt.eval.tasks import Task, load_task
+from llmopt.eval.textdata import load_text
+from llmopt.gates import Gate, GateResult, check_gates, parse_gates
+
+PPL_METRICS = ("ppl", "nll")
+COMPARE_PPL_METRICS = ("ppl_increase_pct", "kl_div", "top1_agreement")
+
+
+@dataclass
+class MetricRow:
+    """One line of the comparison: values, candidate - baseline, its standard error, gate outcome."""
+
+    name: str
+    candidate: float | None
+    baseline: float | None = None
+    delta: float | None = None
+    stderr: float | None = None
+    passed: bool | None = None  # None: no gate on this metric
+    gates: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"baseline": _num(self.baseline), "candidate": _num(self.candidate), "delta": _num(self.delta),
+                "stderr": _num(self.stderr), "pass": self.passed, "gates": self.gates}
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+@dataclass
+class EvalReport:
+    options: EvalOptions
+    models: dict[str, dict[str, Any]]
+    text: TextScore | None
+    tasks: dict[str, dict[str, TaskResult]]  # task -> {"candidate": ..., "baseline": ...}
+    rows: dict[str, MetricRow]
+    gates: list[GateResult]
+    seconds: float
+    bisect: BisectResult | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.gates)
+
+    def to_json(self) -> dict[str, Any]:
+        ppl: dict[str, Any] | None = None
+        if self.text is not None:
+            ppl = {"protocol": self.text.protocol, "seconds": round(self.text.seconds, 3),
+                   "candidate": {"ppl": self.text.nll[-1].ppl, "nll": self.text.nll[-1].nll,
+                                 "tokens": self.text.nll[-1].tokens}}
+            if len(self.text.nll) > 1:
+                ppl["baseline"] = {"ppl": self.text.nll[0].ppl, "nll": self.text.nll[0].nll,
+                                   "tokens": self.text.nll[0].tokens}
+                d = self.text.divergence
+                ppl["kl_div"], ppl["top1_agreement"] = d.kl_div, d.top1_agreement
+        return {
+            "models": self.models,
+            "perplexity": ppl,
+            "tasks": {t: {role: r.to_json() for role, r in rs.items()} for t, rs in self.tasks.items()},
+            "metrics": {k: r.to_json() for k, r in self.rows.items()},
+            "gates": [{"gate": g.gate.expression, "metric": g.gate.metric, "value": _num(g.value),
+                       "pass": g.passed} for g in self.gates],
+            "bisect": self.bisect.to_json() if self.bisect else None,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def metric_names(opts: EvalOptions, tasks: list[Task]) -> list[str]:
+    """Every metric this run will measure, i.e. every name a gate may use."""
+    names: list[str] = []
+    compare = opts.baseline is not None
+    if opts.ppl_data is not None:
+        names += PPL_METRICS
+        if compare:
+            names += COMPARE_PPL_METRICS
+    counts: dict[str, int] = {}
+    for t in tasks:
+        for m in t.metrics:
+            names.append(f"{t.name}.{m.metric}")
+            counts[m.metric] = counts.get(m.metric, 0) + 1
+            if compare:
+                names.append(f"{t.name}.{m.metric}_drop")
+    names += [m for m, c in counts.items() if c == 1]  # a bare name is fine while it is unambiguous
+    if compare:
+        names += [f"{m}_drop" for m in counts]
+    return names
+
+
+def _aliases(tasks: list[Task]) -> dict[str, str]:
+    """Bare task-metric names (`acc`) that name exactly one task's metric (`kb_mc.acc`)."""
+    found: dict[str, list[str]] = {}
+    for t in tasks:
+        for m in t.metrics:
+            found.setdefault(m.metric, []).append(f"{t.name}.{m.metric}")
+    return {m: names[0] for m, names in found.items() if len(names) == 1}
+
+
+def _validate_gates(gates: list[Gate], names: list[str]) -> None:
+    for g in gates:
+        if g.metric not in names:
+            raise LlmoptError(f"gate {g.expression!r}: this run does not measure {g.metric!r} "
+                              f"(available: {', '.join(names) or 'none'})")
+
+
+def _check_lmeval_models(models: list[str | None]) -> None:
+    """lm-eval runs transformers models: refuse quantized checkpoints before anything is loaded."""
+    from llmopt.models.resolve import resolve_model
+
+    for m in models:
+        q = resolve_model(m).quantization_config
+        if q is not None:
+            raise LlmoptError(f"--harness lm-eval cannot run {m} (quantized with {q.get('quant_method')!r}); "
+                              "use --harness llmopt")
+
+
+def _paired_stderr(base: TaskResult, cand: TaskResult, metric: str) -> float | None:
+    a = [s.get(metric) for s in base.samples]
+    b = [s.get(metric) for s in cand.samples]
+    if len(a) != len(b) or any(x is None for x in a + b):
+        return None
+    return 100.0 * mean_stderr([float(x) - float(y) for x, y in zip(a, b, strict=True)])
+
+
+def _build_rows(opts: EvalOptions, text: TextScore | None, tasks: dict[str, dict[str, TaskResult]],
+                task_list: list[Task]) -> dict[str, MetricRow]:
+    rows: dict[str, MetricRow] = {}
+    compare = opts.baseline is not None
+    if text is not None:
+        c = text.nll[-1]
+        b = text.nll[0] if compare else None
+        rows["ppl"] = MetricRow("ppl", c.ppl, b.ppl if b else None, (c.ppl - b.ppl) if b else None)
+        rows["nll"] = MetricRow("nll", c.nll, b.nll if b else None, (c.nll - b.nll) if b else None)
+        if compare and b is not None and text.divergence is not None:
+            rows["ppl_increase_pct"] = MetricRow("ppl_increase_pct", 100.0 * (c.ppl / b.ppl - 1.0))
+            rows["kl_div"] = MetricRow("kl_div", text.divergence.kl_div)
+            rows["top1_agreement"] = MetricRow("top1_agreement", text.divergence.top1_agreement)
+    drops: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for t in task_list:
+        res = tasks[t.name]
+        cand = res["candidate"]
+        for m in t.metrics:
+            name = f"{t.name}.{m.metric}"
+            cv = cand.metrics[m.metric]
+            counts[m.metric] = counts.get(m.metric, 0) + 1
+            if compare:
+                bv = res["baseline"].metrics[m.metric]
+                rows[name] = MetricRow(name, cv.value, bv.value, cv.value - bv.value, cv.stderr)
+                drop = 100.0 * (bv.value - cv.value)
+                rows[f"{name}_drop"] = MetricRow(f"{name}_drop", drop, stderr=_paired_stderr(
+                    res["baseline"], cand, m.metric))
+                drops.setdefault(m.metric, []).append(drop)
+            else:
+                rows[name] = MetricRow(name, cv.value, stderr=cv.stderr)
+    for metric, values in drops.items():
+        rows[f"{metric}_drop"] = MetricRow(f"{metric}_drop", max(values))  # the worst task decides
+    return rows
+
+
+def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None) -> EvalReport:
+    """Measure everything `opts` asks for; gates are evaluated but not raised (see command.py)."""
+    t0 = time.perf_counter()
+    # 1. validate every input before loading a model
+    text = load_text(opts.ppl_data) if opts.ppl_data is not None else None
+    task_list = [load_task(p) for p in opts.tasks]
+    names = [t.name for t in task_list]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise LlmoptError(f"task {dup!r} is given twice")
+    gates = parse_gates(opts.gates)
+    _validate_gates(gates, metric_names(opts, task_list))
+    if opts.harness == "lm-eval" and task_list:
+        _check_lmeval_models([opts.model] + ([opts.baseline] if opts.baseline else []))
+    # 2. load the models
+    batch = opts.max_batch_tokens or default_batch_tokens(opts.seq_len, resolve_device(opts.device))
+    cand = build_llm(opts.model, opts.engine_options(batch))
+    base = build_llm(opts.baseline, opts.engine_options(batch, baseline=True)) if opts.baseline else None
+    llms: list[tuple[str, LLM]] = ([("baseline", base)] if base else []) + [("candidate", cand)]
+    models = {role: {"model": m, "dtype": str(llm.engine.dtype).removeprefix("torch."),
+                     "kv_cache_dtype": llm.engine.config.kv_cache_dtype, "device": str(llm.engine.device)}
+              for (role, llm), m in zip(llms, ([opts.baseline] if base else []) + [opts.model or "smollm2-135m"],
+                                        strict=True)}
+    # 3. perplexity, KL and top-1 agreement on the eval text
+    score = None
+    if text is not None:
+        ids = cand.engine.tokenizer.encode(text)
+        probe = text[:20000]
+        if base is not None and base.engine.tokenizer.encode(probe) != cand.engine.tokenizer.encode(probe):
+            raise LlmoptError("baseline and candidate tokenize the eval text differently; perplexity, KL "
+                              "and top-1 agreement need the same tokenizer")
+        if opts.max_tokens:
+            ids = ids[:opts.max_tokens]
+        score = score_text([llm.engine for _, llm in llms], ids, opts.seq_len, opts.stride, batch,
+                           progress=(lambda done, total: progress("perplexity", done, total)) if progress else None)
+    bisect = None
+    if opts.bisect and base is not None and text is not None:
+        bisect = run_bisect(base, cand, opts.model, opts.baseline or "", opts.engine_options(batch),
+                            opts.engine_options(batch, baseline=True), ids, opts.seq_len, gates,
+                            opts.bisect_plot, progress)
+    # 4. tasks
+    results: dict[str, dict[str, TaskResult]] = {}
+    for task in task_list:
+        results[task.name] = {}
+        for role, llm in llms:
+            if progress:
+                progress(f"{task.name} ({role})", 0, 1)
+            model = opts.baseline if role == "baseline" else opts.model
+            if opts.harness == "lm-eval":
+                from llmopt.eval.harness_lmeval import evaluate_task_lmeval
+
+                dtype = (opts.baseline_dtype or opts.dtype) if role == "baseline" else opts.dtype
+                results[task.name][role] = evaluate_task_lmeval(model, task, opts.limit, dtype=dtype,
+                                                                device=str(llm.engine.device))
+            else:
+                results[task.name][role] = evaluate_task(llm, task, opts.limit, max_batch_tokens=batch)
+    rows = _build_rows(opts, score, results, task_list)
+    aliases = _aliases(task_list)
+    gate_results = check_gates(gates, lambda m: rows[aliases.get(m, m)].candidate if aliases.get(m, m) in rows
+                               else None)
+    for g in gate_results:
+        row = rows.get(aliases.get(g.gate.metric, g.gate.metric))
+        if row is not None:
+            row.gates.append(g.gate.expression)
+            row.passed = g.passed if row.passed is None else (row.passed and g.passed)
+    return EvalReport(opts, models, score, results, rows, gate_results, time.perf_counter() - t0, bisect)

@@ -1,0 +1,189 @@
+"""Render an EvalReport: a rich table for people, JSON for CI, Markdown for pull requests.
+
+The Markdown file is written atomically (temporary file in the same folder, then `os.replace`), so a
+CI job that uploads it never sees half a report, and a failed run never leaves a stale one half
+overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from llmopt.errors import LlmoptError
+from llmopt.eval.compare import EvalReport, MetricRow
+
+# metrics whose value is a fraction shown as a percentage, and those already in points/percent
+_FRACTION = ("acc", "acc_norm", "acc_bytes", "exact_match", "top1_agreement")
+
+
+def _fmt(x: float | None, name: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    base = name.rsplit(".", 1)[-1]
+    if base in _FRACTION:
+        return f"{100 * x:.2f}%"
+    if abs(x) >= 1000:
+        return f"{x:,.1f}"
+    return f"{x:.4g}"
+
+
+def _fmt_delta(row: MetricRow) -> str:
+    if row.delta is None:
+        return "-"
+    base = row.name.rsplit(".", 1)[-1]
+    if base in _FRACTION:
+        return f"{100 * row.delta:+.2f} pts"
+    return f"{row.delta:+.4g}"
+
+
+def _fmt_stderr(row: MetricRow) -> str:
+    if row.stderr is None or math.isnan(row.stderr):
+        return "-"
+    base = row.name.rsplit(".", 1)[-1]
+    return f"±{100 * row.stderr:.2f}%" if base in _FRACTION else f"±{row.stderr:.3g}"
+
+
+def _status(row: MetricRow) -> str:
+    return "" if row.passed is None else ("PASS" if row.passed else "FAIL")
+
+
+def _headline(report: EvalReport) -> str:
+    c = report.models["candidate"]
+    s = f"candidate {c['model']} ({c['dtype']}, KV {c['kv_cache_dtype']}, {c['device']})"
+    if "baseline" in report.models:
+        b = report.models["baseline"]
+        s += f" vs baseline {b['model']} ({b['dtype']}, KV {b['kv_cache_dtype']})"
+    return s
+
+
+def _protocol(report: EvalReport) -> str | None:
+    if report.text is None:
+        return None
+    p = report.text.protocol
+    return (f"perplexity: {report.text.nll[-1].tokens:,} scored tokens of {p['text_tokens']:,}, "
+            f"{p['windows']} windows, seq_len {p['seq_len']}, stride {p['stride']} ({p['protocol']}), "
+            f"{report.text.seconds:.1f} s")
+
+
+def render_table(report: EvalReport, console: Console) -> None:
+    compare = "baseline" in report.models
+    table = Table(title=_headline(report), title_justify="left")
+    table.add_column("metric", no_wrap=True)
+    if compare:
+        table.add_column("baseline", justify="right")
+    table.add_column("candidate", justify="right")
+    if compare:
+        table.add_column("delta", justify="right")
+    table.add_column("stderr", justify="right")
+    table.add_column("gate", overflow="fold")
+    for row in report.rows.values():
+        status = _status(row)
+        styled = f"[green]{status}[/]" if status == "PASS" else (f"[bold red]{status}[/]" if status else "")
+        gate = f"{styled} {', '.join(row.gates)}".strip()
+        cells = [row.name] + ([_fmt(row.baseline, row.name)] if compare else []) + [_fmt(row.candidate, row.name)]
+        cells += ([_fmt_delta(row)] if compare else []) + [_fmt_stderr(row), gate]
+        table.add_row(*cells)
+    console.print(table)
+    proto = _protocol(report)
+    if proto:
+        console.print(f"[dim]{proto}[/]")
+    for name, roles in report.tasks.items():
+        for role, r in roles.items():
+            console.print(f"[dim]{name} ({role}): {r.n} docs via {r.harness}, {r.seconds:.1f} s[/]")
+    for line in _bisect_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
+    if report.gates:
+        verdict = "[green]all gates passed[/]" if report.passed else "[bold red]gate(s) failed[/]"
+        console.print(verdict + ": " + "; ".join(g.describe() for g in report.gates))
+
+
+def _bisect_lines(report: EvalReport, top: int = 8) -> list[str]:
+    """Plain lines (shared by the terminal and Markdown) summarizing the bisection."""
+    b = report.bisect
+    if b is None:
+        return []
+    c = b.candidate
+    out = [f"bisect over {b.tokens:,} tokens: candidate KL {c.kl_div:.4g}, top-1 {100 * c.top1_agreement:.2f}%, "
+           f"ppl {c.ppl_increase_pct:+.2f}%"]
+    for f in b.factors:
+        out.append(f"without {f['what']}: KL {f['kl_div']:.4g} (removes {100 * f['share_of_kl']:.0f}% of it), "
+                   f"top-1 {100 * f['top1_agreement']:.2f}%, ppl {f['ppl_increase_pct']:+.2f}%")
+    if b.layers:
+        ranked = sorted(b.layers, key=lambda r: -r["kl_removed"])[:top]
+        out.append("most sensitive layers (KL removed by restoring one): " +
+                   ", ".join(f"{r['layer']} ({r['kl_removed']:.3g})" for r in ranked))
+    if b.suggestion:
+        s = b.suggestion
+        verdict = "meets" if s["meets_gates"] else "still fails"
+        out.append(f"suggestion: keep layers {s['layers']} unquantized ({verdict} {', '.join(s['gates'])}: "
+                   f"KL {s['after']['kl_div']:.4g}, top-1 {100 * s['after']['top1_agreement']:.2f}%): " +
+                   " ".join(f"--ignore '{r}'" for r in s["ignore"]))
+    if b.plot:
+        out.append(f"plot: {b.plot}")
+    return out
+
+
+def render_markdown(report: EvalReport) -> str:
+    compare = "baseline" in report.models
+    lines = ["# llmopt eval report", "", _headline(report), ""]
+    head = ["metric"] + (["baseline"] if compare else []) + ["candidate"] + (["delta"] if compare else [])
+    head += ["stderr", "gate"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in report.rows.values():
+        cells = [f"`{row.name}`"] + ([_fmt(row.baseline, row.name)] if compare else [])
+        cells += [_fmt(row.candidate, row.name)] + ([_fmt_delta(row)] if compare else [])
+        gate = f"{'**' + _status(row) + '**' if _status(row) else ''} {', '.join(f'`{g}`' for g in row.gates)}"
+        cells += [_fmt_stderr(row), gate.strip()]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    proto = _protocol(report)
+    if proto:
+        lines += [f"- {proto}"]
+    for name, roles in report.tasks.items():
+        for role, r in roles.items():
+            lines.append(f"- task `{name}` ({role}): {r.n} docs via {r.harness}, {r.seconds:.1f} s")
+    if report.bisect is not None:
+        lines += ["", "## Bisect", ""] + [f"- {x}" for x in _bisect_lines(report)]
+    if report.gates:
+        lines += ["", "## Gates", ""]
+        lines += [f"- {g.describe()}" for g in report.gates]
+        lines += ["", f"**{'All gates passed.' if report.passed else 'Gate(s) failed.'}**"]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path = path.expanduser()
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise LlmoptError(f"cannot write report {path}: folder {parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _finite(obj):
+    """NaN/inf are not JSON: an unmeasured value is null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def render_json(report: EvalReport) -> str:
+    return json.dumps(_finite(report.to_json()), indent=2, default=str)
