@@ -22,10 +22,15 @@ from llmopt.quant.scheme import QuantScheme
 class GPTQ:
     """Running Hessian H = 2/n · Σ x xᵀ of one linear's inputs (n = tokens seen so far)."""
 
-    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, in_features: int, device: torch.device | str | None = None,
+                 product_dtype: torch.dtype = torch.float32) -> None:
+        """`product_dtype` is the dtype of each batch's xᵀx product (accumulated into float32 H):
+        bfloat16 is ~5x faster on CPUs with bf16 units, at ~0.4% relative rounding per batch — below
+        the 1% dampening and the noise of bf16 calibration activations it is meant for."""
         self.in_features = in_features
         self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.nsamples = 0
+        self.product_dtype = product_dtype
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
@@ -39,7 +44,11 @@ class GPTQ:
         total = self.nsamples + n
         self.H.mul_(self.nsamples / total)
         x = x * math.sqrt(2.0 / total)
-        self.H.addmm_(x.t(), x)
+        if self.product_dtype == torch.float32:
+            self.H.addmm_(x.t(), x)
+        else:
+            xp = x.to(self.product_dtype)
+            self.H.add_((xp.t() @ xp).float())
         self.nsamples = total
 
     def quantize(self, w: torch.Tensor, scheme: QuantScheme, **kwargs) -> tuple[QuantizedWeight, float]:

@@ -1,0 +1,108 @@
+"""`llmopt calibrate`: sample calibration windows, measure activation statistics, write CALIB_DIR.
+
+The output directory (stats.safetensors + manifest.json) is written atomically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+
+from llmopt.calibrate.manifest import MANIFEST, STATS, Manifest, ModelIdentity, data_record
+from llmopt.calibrate.overlap import build_eval_index, find_overlaps
+from llmopt.calibrate.progress import layer_progress
+from llmopt.calibrate.sources import DataSource
+from llmopt.calibrate.stats import collect_stats
+from llmopt.calibrate.windows import CalibrationSet, build_calibration_set
+from llmopt.errors import LlmoptError
+from llmopt.quant.atomic import atomic_directory, check_output_dir
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class CalibrationDataConfig(BaseModel):
+    """Where calibration windows come from (shared by `calibrate` and `quantize --calib-data`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: list[str] = Field(min_length=1)
+    num_samples: int = Field(128, ge=1)
+    seq_len: int = Field(512, ge=2)
+    seed: int = 0
+    chat_template: bool = False
+    eval_data: list[str] = []
+    allow_overlap: bool = False
+
+    @property
+    def sources(self) -> list[DataSource]:
+        return [DataSource.parse(d) for d in self.data]
+
+
+class CalibrateConfig(CalibrationDataConfig):
+    model: str | None = None
+    observer: Literal["minmax", "ema", "percentile", "mse"] = "minmax"
+    percentile: float = Field(99.9, gt=0, le=100)
+    output: Path
+    overwrite: bool = False
+    device: str = "auto"
+    forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    batch_tokens: int = Field(4096, ge=1)
+
+
+def sample_windows(cfg: CalibrationDataConfig, tokenizer, console: Console | None = None) -> CalibrationSet:
+    """Build the windows and enforce the no-overlap rule against `eval_data`."""
+    cs = build_calibration_set(cfg.sources, tokenizer, cfg.num_samples, cfg.seq_len, cfg.seed, cfg.chat_template)
+    if cfg.eval_data:
+        index = build_eval_index(cfg.eval_data)
+        hits = find_overlaps([tokenizer.decode(w) for w in cs.windows.tolist()], index)
+        if hits:
+            msg = (f"{len(hits)} of {len(cs.windows)} calibration windows overlap the eval data "
+                   f"(e.g. window {hits[0].window}: {hits[0].example!r})")
+            if not cfg.allow_overlap:
+                raise LlmoptError(msg + "; remove that text from the calibration data or pass --allow-overlap")
+            cs.warnings.append(msg)
+    if console is not None:
+        for w in cs.warnings:
+            console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    return cs
+
+
+def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Manifest:
+    """Calibrate `cfg.model` and write `cfg.output`; returns the manifest written."""
+    from llmopt.devices import resolve_device
+    from llmopt.models.loader import load_model
+    from llmopt.models.resolve import resolve_model, weights_dir
+    from llmopt.models.tokenizer import load_tokenizer as _load_tokenizer
+
+    console = console or Console(stderr=True)
+    check_output_dir(cfg.output, cfg.overwrite)
+    resolved = resolve_model(cfg.model)
+    if resolved.quantization_config is not None:
+        raise LlmoptError(f"{resolved.path} is already quantized; calibrate the original model")
+    directory = weights_dir(resolved)
+    tokenizer = _load_tokenizer(directory)
+    cs = sample_windows(cfg, tokenizer, console)
+    device = resolve_device(cfg.device)
+    model = load_model(resolved, torch.float32, device)
+    with layer_progress(console, "calibrating", resolved.spec.num_layers) as advance:
+        stats = collect_stats(model, cs.windows, cfg.observer, cfg.percentile, DTYPES[cfg.forward_dtype],
+                              cfg.batch_tokens, progress=advance)
+    manifest = Manifest(
+        model=ModelIdentity.of(resolved, directory),
+        data=[data_record(s, cs.per_source.get(s.path, 0)) for s in cfg.sources],
+        settings=cfg.model_dump(mode="json", exclude={"output", "overwrite", "data", "eval_data"})
+        | {"eval_data": cfg.eval_data},
+        num_windows=int(cs.windows.shape[0]),
+        seq_len=cfg.seq_len,
+        num_tokens=cs.num_tokens,
+        duplicates_dropped=cs.num_duplicates,
+        warnings=cs.warnings,
+    )
+    with atomic_directory(cfg.output, cfg.overwrite) as tmp:
+        stats.save(tmp / STATS)
+        manifest.write(tmp / MANIFEST)
+    return manifest

@@ -1,0 +1,150 @@
+"""Write a quantized model as a Hugging Face checkpoint in the GPTQ or compressed-tensors format.
+
+Quantized fused weights are split back into HF projections by rows (see `rows`); everything that is
+not quantized (embeddings, norms — with any AWQ/SmoothQuant folding applied — lm_head, ignored
+linears) is written in the dtype it was loaded in, so nothing is lost beyond the quantization itself.
+config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the int4/int8 kernels then run
+on bf16 activations, their fast path; `--dtype float32` still loads every stored tensor exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from llmopt.errors import LlmoptError
+from llmopt.layers.linear import iter_linears
+from llmopt.models.llama import LlamaForCausalLM
+from llmopt.quant.pack_compressed import (
+    compressed_config_group,
+    compressed_quantization_config,
+    pack_compressed,
+)
+from llmopt.quant.pack_gptq import gptq_quantization_config, pack_gptq
+from llmopt.quant.qtensor import QuantizedWeight
+from llmopt.quant.recipe import ModuleScheme
+from llmopt.quant.rows import slice_rows
+from llmopt.quant.sequential import QuantizedModule
+from llmopt.quant.targets import Target, hf_parts
+
+WEIGHTS_FILE = "model.safetensors"
+COMPUTE_DTYPE = "bfloat16"
+_SKIP_COPY = {"config.json", "model.safetensors.index.json", "quantization_report.json"}
+
+INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
+    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None,
+}
+KV_CACHE_INT8: dict[str, Any] = {
+    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "attn_head", "dynamic": False,
+    "observer": "minmax",
+}
+
+
+def _hf_name(ours: str) -> str:
+    return ours if ours.startswith("lm_head") else f"model.{ours}"
+
+
+def float_tensors(model: LlamaForCausalLM, targets: list[Target]) -> dict[str, torch.Tensor]:
+    """Every tensor not replaced by quantized ones, under HF names (fused float linears split by rows)."""
+    quantized = {t.module for t in targets if t.scheme is not None}
+    linears = dict(iter_linears(model))
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():  # tied lm_head is deduplicated by named_parameters
+        mod_name, _, kind = name.rpartition(".")
+        if mod_name in quantized and kind == "weight":
+            continue
+        if mod_name in linears:
+            for hf, (lo, hi) in hf_parts(mod_name, linears[mod_name]).items():
+                out[f"{hf}.{kind}"] = p.data[lo:hi].contiguous().cpu()
+        else:
+            out[_hf_name(name)] = p.data.contiguous().cpu()
+    return out
+
+
+def _module_tensors(qm: QuantizedModule, fmt: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for hf, (lo, hi) in qm.target.parts.items():
+        part: QuantizedWeight = slice_rows(qm.qw, lo, hi)
+        assert qm.target.scheme is not None
+        if fmt == "gptq":
+            packed = pack_gptq(part)
+        elif qm.target.scheme.int8_activations:
+            packed = {"weight": (part.q.to(torch.int16) - 128).to(torch.int8).contiguous(),
+                      "weight_scale": part.scale.to(part.scheme.torch_scale_dtype).contiguous()}
+        else:
+            packed = pack_compressed(part)
+        out.update({f"{hf}.{k}": v.cpu() for k, v in packed.items()})
+        if qm.bias is not None:
+            out[f"{hf}.bias"] = qm.bias[lo:hi].contiguous().cpu()
+    return out
+
+
+def _compressed_config(targets: list[Target], act_order: bool, kv_cache: bool) -> dict[str, Any]:
+    by_scheme: dict[ModuleScheme, list[str]] = {}
+    ignore: list[str] = []
+    for t in targets:
+        if t.scheme is None:
+            ignore.extend(t.parts)
+        else:
+            by_scheme.setdefault(t.scheme, []).extend(t.parts)
+    groups: dict[str, Any] = {}
+    for i, (scheme, names) in enumerate(by_scheme.items()):
+        group_targets = ["Linear"] if len(by_scheme) == 1 else names
+        g = compressed_config_group(scheme.weights, targets=group_targets, act_order=act_order)
+        if scheme.int8_activations:
+            g["input_activations"] = dict(INT8_TOKEN_ACTIVATIONS)
+            g["format"] = "int-quantized"
+        groups[f"group_{i}"] = g
+    return compressed_quantization_config(groups, ignore=ignore, kv_cache_scheme=dict(KV_CACHE_INT8) if kv_cache
+                                          else None)
+
+
+def _gptq_config(targets: list[Target], act_order: bool, damp: float) -> dict[str, Any]:
+    schemes = {t.scheme for t in targets if t.scheme is not None}
+    if len(schemes) != 1:
+        raise LlmoptError("the gptq format has one bits/group_size for the whole model; use --format "
+                          "compressed-tensors for mixed schemes")
+    scheme = schemes.pop()
+    skipped = [hf for t in targets if t.scheme is None and t.module != "lm_head" for hf in t.parts]
+    if skipped:
+        raise LlmoptError(f"the gptq format cannot leave decoder linears unquantized ({skipped[0]}); "
+                          "use --format compressed-tensors")
+    return gptq_quantization_config(scheme.weights, desc_act=act_order, static_groups=act_order,
+                                    damp_percent=damp)
+
+
+def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,
+                        kv_cache: bool) -> dict[str, Any]:
+    """config.json's `quantization_config` (raises early when the format cannot express the plan)."""
+    if fmt == "gptq":
+        return _gptq_config(targets, act_order, damp)
+    return _compressed_config(targets, act_order, kv_cache)
+
+
+def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any], model: LlamaForCausalLM,
+                     targets: list[Target], modules: dict[str, QuantizedModule], fmt: str, act_order: bool,
+                     damp: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Write tensors, config.json (with quantization_config), tokenizer and generation config to `out`."""
+    tensors = float_tensors(model, targets)
+    for qm in modules.values():
+        tensors.update(_module_tensors(qm, fmt))
+    if kv_scales is not None:
+        k, v = kv_scales
+        for i in range(k.shape[0]):
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = k[i].float().reshape(-1, 1, 1).contiguous()
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = v[i].float().reshape(-1, 1, 1).contiguous()
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    qcfg = quantization_config(targets, fmt, act_order, damp, kv_scales is not None)
+    cfg = dict(source_config)
+    cfg["quantization_config"] = qcfg
+    cfg["torch_dtype"] = COMPUTE_DTYPE
+    cfg["dtype"] = COMPUTE_DTYPE
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+    for f in sorted(source_dir.iterdir()):
+        if f.is_file() and f.name not in _SKIP_COPY and f.suffix not in (".safetensors", ".gguf", ".bin"):
+            shutil.copy2(f, out / f.name)

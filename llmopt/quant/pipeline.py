@@ -1,0 +1,114 @@
+"""`llmopt quantize`: model + recipe (+ calibration) → a quantized checkpoint directory, atomically.
+
+Order matters for failing fast: the output directory, the recipe, the target plan, group sizes and
+the format's ability to express the plan are all checked before any calibration or quantization work.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from llmopt.calibrate.manifest import MANIFEST, STATS, Manifest, ModelIdentity
+from llmopt.calibrate.progress import layer_progress
+from llmopt.calibrate.run import DTYPES, CalibrationDataConfig, sample_windows
+from llmopt.calibrate.stats import SavedStats
+from llmopt.errors import LlmoptError
+from llmopt.quant.atomic import atomic_directory, check_output_dir
+from llmopt.quant.export import WEIGHTS_FILE, quantization_config, write_checkpoint
+from llmopt.quant.recipe import QuantizeConfig
+from llmopt.quant.report import ModuleReport, QuantReport
+from llmopt.quant.sequential import SequentialOptions, SequentialQuantizer
+
+REPORT = "quantization_report.json"
+INT8_MAX = 127.0
+
+
+def _calibration(cfg: QuantizeConfig, resolved, directory: Path, tokenizer,
+                 console: Console) -> tuple[torch.Tensor | None, dict | None]:
+    """Token windows [N, L] (or None when the recipe needs none) and a description for the report."""
+    if cfg.calib is not None:
+        manifest = Manifest.read(cfg.calib)
+        why = manifest.model.mismatch(ModelIdentity.of(resolved, directory))
+        if why:
+            raise LlmoptError(f"--calib {cfg.calib} was measured on another model ({why}); recalibrate")
+        windows = SavedStats.load(cfg.calib / STATS).windows
+        return windows, {"calib_dir": str(cfg.calib), "windows": int(windows.shape[0]),
+                         "seq_len": int(windows.shape[1]), "manifest": str(cfg.calib / MANIFEST)}
+    if cfg.calib_data:
+        data = CalibrationDataConfig(data=cfg.calib_data, num_samples=cfg.num_samples, seq_len=cfg.seq_len,
+                                     seed=cfg.seed)
+        cs = sample_windows(data, tokenizer, console)
+        return cs.windows, {"calib_data": cfg.calib_data, "windows": int(cs.windows.shape[0]),
+                            "seq_len": cfg.seq_len, "seed": cfg.seed, "warnings": cs.warnings}
+    return None, None
+
+
+def _check_data_given(cfg: QuantizeConfig) -> None:
+    if cfg.needs_data and cfg.calib is None and not cfg.calib_data:
+        why = "GPTQ/AWQ" if cfg.method != "rtn" else ("SmoothQuant (w8a8)" if cfg.scheme == "w8a8" else "KV-cache scales")
+        raise LlmoptError(f"{why} needs calibration data: pass --calib DIR (from `llmopt calibrate`) or "
+                          "--calib-data PATH")
+
+
+def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> QuantReport:
+    """Quantize `cfg.model` as `cfg` says and write `cfg.output`; returns the report written there."""
+    from llmopt.devices import resolve_device
+    from llmopt.models.loader import load_model
+    from llmopt.models.resolve import resolve_model, weights_dir
+    from llmopt.models.tokenizer import load_tokenizer as _load_tokenizer
+    from llmopt.quant.targets import plan_targets
+
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    check_output_dir(cfg.output, cfg.overwrite)
+    _check_data_given(cfg)
+    if cfg.calib is not None and not (cfg.calib / MANIFEST).is_file():
+        raise LlmoptError(f"--calib {cfg.calib}: no calibration directory there (no {MANIFEST}; run `llmopt calibrate`)")
+    resolved = resolve_model(cfg.model)
+    if resolved.quantization_config is not None:
+        raise LlmoptError(f"{resolved.path} is already quantized; quantize the original model")
+    directory = weights_dir(resolved)
+    device = resolve_device(cfg.device)
+    t0 = time.perf_counter()
+    model = load_model(resolved, torch.float32, device)
+    load_s = time.perf_counter() - t0
+    targets, notes = plan_targets(model, cfg)
+    quantization_config(targets, cfg.format, cfg.act_order, cfg.damp, cfg.kv_cache is not None)  # fail early
+    tokenizer = _load_tokenizer(directory)
+    for note in notes:
+        console.print(f"[cyan]note:[/] {note}", highlight=False)
+    t0 = time.perf_counter()
+    windows, calib = _calibration(cfg, resolved, directory, tokenizer, console)
+    sample_s = time.perf_counter() - t0
+    opts = SequentialOptions(method=cfg.method, act_order=cfg.act_order, damp=cfg.damp, block_size=cfg.block_size,
+                             smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=DTYPES[cfg.forward_dtype],
+                             batch_tokens=cfg.batch_tokens)
+    runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None)
+    with layer_progress(console, f"quantizing ({cfg.scheme}, {cfg.method})", resolved.spec.num_layers) as advance:
+        result = runner.run(progress=advance)
+    kv = None
+    if cfg.kv_cache is not None:
+        assert result.k_absmax is not None and result.v_absmax is not None
+        kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
+    bytes_before = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    timings = {"load model": load_s, "sample calibration data": sample_s, **result.timings}
+    with atomic_directory(cfg.output, cfg.overwrite) as tmp:
+        t0 = time.perf_counter()
+        write_checkpoint(tmp, directory, resolved.config, model, targets, result.modules, cfg.format,
+                         cfg.act_order, cfg.damp, kv)
+        timings["write checkpoint"] = time.perf_counter() - t0
+        timings["total"] = time.perf_counter() - started
+        report = QuantReport(
+            model=resolved.source, output=str(cfg.output), format=cfg.format,
+            settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}),
+            calibration=calib,
+            modules=[ModuleReport.of(qm) for qm in result.modules.values()],
+            ignored=[hf for t in targets if t.scheme is None for hf in t.parts],
+            timings_s={k: round(v, 3) for k, v in timings.items()},
+            bytes_before=bytes_before, bytes_after=(tmp / WEIGHTS_FILE).stat().st_size, notes=notes)
+        report.write(tmp / REPORT)
+    return report

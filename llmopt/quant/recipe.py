@@ -1,0 +1,155 @@
+"""QuantizeConfig: every option of `llmopt quantize`, validated once at the edge.
+
+Presets name what a module becomes: `w8a16` (int8 weights, per channel), `w4a16` (int4 weights,
+grouped), `fp8` (float8_e4m3 weights, per channel) and `w8a8` (int8 weights per channel after
+SmoothQuant, plus int8 activations quantized per token at run time).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmopt.quant.fp8 import FP8_SCHEME
+from llmopt.quant.scheme import QuantScheme
+
+Preset = Literal["w8a16", "w4a16", "fp8", "w8a8"]
+PRESETS: tuple[str, ...] = ("w8a16", "w4a16", "fp8", "w8a8")
+Method = Literal["rtn", "gptq", "awq"]
+Format = Literal["gptq", "compressed-tensors"]
+# preferred int4 group sizes when the user gives none: the first that divides every quantized input
+W4_DEFAULT_GROUPS = (128, 64, 32)
+
+
+class ModuleScheme(BaseModel):
+    """What one linear becomes: a weight scheme, plus dynamic int8 activations for w8a8."""
+
+    model_config = ConfigDict(frozen=True)
+
+    preset: Preset
+    weights: QuantScheme
+    int8_activations: bool = False
+
+    def describe(self) -> str:
+        return f"{self.preset} ({self.weights.describe()})"
+
+
+def make_scheme(preset: str, group_size: int | None, symmetric: bool) -> ModuleScheme:
+    """The ModuleScheme of a preset; `group_size=None` means the preset's default (w4a16: 128)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown scheme {preset!r}; use one of {', '.join(PRESETS)}")
+    if preset == "fp8":
+        if group_size not in (None, -1):
+            raise ValueError("fp8 weights are per output channel; --group-size does not apply")
+        return ModuleScheme(preset="fp8", weights=FP8_SCHEME)
+    if preset == "w8a8":
+        if group_size not in (None, -1):
+            raise ValueError("w8a8 weights are per output channel (the int8 matmul takes one scale per row)")
+        if not symmetric:
+            raise ValueError("w8a8 is symmetric (int8 x int8 matmul without zero points)")
+        return ModuleScheme(preset="w8a8", weights=QuantScheme(bits=8, group_size=-1, symmetric=True),
+                            int8_activations=True)
+    bits = 8 if preset == "w8a16" else 4
+    default = -1 if preset == "w8a16" else W4_DEFAULT_GROUPS[0]
+    gs = default if group_size is None else group_size
+    return ModuleScheme(preset=preset, weights=QuantScheme(bits=bits, group_size=gs, symmetric=symmetric))
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"bad regex {pattern!r}: {e}") from None
+
+
+class QuantizeConfig(BaseModel):
+    """Options of `llmopt quantize` (see docs/QUANTIZE.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    scheme: Preset
+    method: Method = "rtn"
+    group_size: int | None = None  # None: the preset default (w4a16: 128, or 64/32 when 128 does not divide)
+    symmetric: bool = True
+    act_order: bool = False
+    calib: Path | None = None
+    calib_data: list[str] = []
+    num_samples: int = Field(128, ge=1)
+    seq_len: int = Field(512, ge=2)
+    seed: int = 0
+    ignore: list[str] = []
+    override: list[str] = []
+    kv_cache: Literal["int8"] | None = None
+    format: Format = "compressed-tensors"
+    output: Path
+    overwrite: bool = False
+    device: str = "auto"
+    damp: float = Field(0.01, gt=0)
+    block_size: int = Field(128, ge=1)
+    forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    batch_tokens: int = Field(4096, ge=1)
+    smoothquant_alpha: float = Field(0.5, ge=0, le=1)
+
+    @field_validator("ignore")
+    @classmethod
+    def _ignore(cls, v: list[str]) -> list[str]:
+        for p in v:
+            _compile(p)
+        return v
+
+    @field_validator("override")
+    @classmethod
+    def _override(cls, v: list[str]) -> list[str]:
+        for item in v:
+            pattern, sep, preset = item.rpartition("=")
+            if not sep or not pattern:
+                raise ValueError(f"override {item!r} is not REGEX=SCHEME")
+            _compile(pattern)
+            if preset not in PRESETS:
+                raise ValueError(f"override {item!r}: unknown scheme {preset!r}; use one of {', '.join(PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> QuantizeConfig:
+        self.main_scheme()  # preset/group/sym combination
+        if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
+        if self.scheme == "fp8" and self.method != "rtn":
+            raise ValueError("fp8 weights are quantized by rounding (--method rtn); gptq/awq are int methods")
+        if self.scheme == "w8a8" and self.method == "awq":
+            raise ValueError("w8a8 uses SmoothQuant for activation outliers; use --method rtn or gptq")
+        if self.act_order and self.method != "gptq":
+            raise ValueError("--act-order applies to --method gptq only")
+        if self.calib is not None and self.calib_data:
+            raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
+        if self.format == "gptq":
+            if self.scheme in ("fp8", "w8a8"):
+                raise ValueError(f"the gptq format holds int weight-only schemes (w4a16, w8a16), not {self.scheme}; "
+                                 "use --format compressed-tensors")
+            if self.kv_cache:
+                raise ValueError("KV-cache scales are stored as compressed-tensors' kv_cache_scheme; "
+                                 "use --format compressed-tensors")
+        return self
+
+    @property
+    def needs_data(self) -> bool:
+        """GPTQ, AWQ, SmoothQuant and KV-cache scales all need calibration activations."""
+        return self.method in ("gptq", "awq") or self.scheme == "w8a8" or self.kv_cache is not None or any(
+            item.rpartition("=")[2] == "w8a8" for item in self.override)
+
+    def main_scheme(self, group_size: int | None = None) -> ModuleScheme:
+        return make_scheme(self.scheme, self.group_size if group_size is None else group_size, self.symmetric)
+
+    def ignore_patterns(self) -> list[re.Pattern[str]]:
+        return [_compile(p) for p in self.ignore]
+
+    def override_rules(self) -> list[tuple[re.Pattern[str], str]]:
+        rules = []
+        for item in self.override:
+            pattern, _, preset = item.rpartition("=")
+            rules.append((_compile(pattern), preset))
+        return rules

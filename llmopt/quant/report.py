@@ -1,0 +1,75 @@
+"""`quantization_report.json` and its rich summary: what was done, how long it took, what it cost.
+
+Per module: the scheme, the method that actually ran, the relative weight error ‖Ŵ−W‖/‖W‖ and,
+with calibration data, the relative output error ‖X(Ŵ−W)ᵀ‖/‖XWᵀ‖ on a sample of the module's real
+inputs (after any AWQ/SmoothQuant scaling, which leaves XWᵀ unchanged).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from llmopt import __version__
+from llmopt.quant.sequential import QuantizedModule
+from llmopt.units import format_bytes
+
+
+class ModuleReport(BaseModel):
+    module: str
+    hf_names: list[str]
+    scheme: str
+    method: str
+    weight_rel_err: float
+    output_rel_err: float | None
+    gptq_loss: float | None
+    seconds: float
+
+    @classmethod
+    def of(cls, qm: QuantizedModule) -> ModuleReport:
+        assert qm.target.scheme is not None
+        return cls(module=qm.target.module, hf_names=list(qm.target.parts), scheme=qm.target.scheme.describe(),
+                   method=qm.method, weight_rel_err=qm.weight_rel_err, output_rel_err=qm.output_rel_err,
+                   gptq_loss=qm.gptq_loss, seconds=round(qm.seconds, 4))
+
+
+class QuantReport(BaseModel):
+    llmopt_version: str = __version__
+    model: str
+    output: str
+    format: str
+    settings: dict[str, Any]
+    calibration: dict[str, Any] | None
+    modules: list[ModuleReport]
+    ignored: list[str]
+    timings_s: dict[str, float]
+    bytes_before: int
+    bytes_after: int
+    notes: list[str] = []
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+
+    def render(self, console: Console) -> None:
+        t = Table(title=f"quantized {self.model} → {self.output}", show_header=False)
+        t.add_column(style="bold")
+        t.add_column()
+        t.add_row("scheme / method", f"{self.settings.get('scheme')} / {self.settings.get('method')} "
+                  f"({self.format})")
+        t.add_row("modules", f"{len(self.modules)} quantized, {len(self.ignored)} left as is")
+        ratio = self.bytes_before / max(self.bytes_after, 1)
+        t.add_row("size", f"{format_bytes(self.bytes_before)} → {format_bytes(self.bytes_after)} ({ratio:.2f}x smaller)")
+        errs = [m.output_rel_err for m in self.modules if m.output_rel_err is not None]
+        werrs = [m.weight_rel_err for m in self.modules]
+        if errs:
+            t.add_row("output error", f"mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f} (relative, calib. inputs)")
+        t.add_row("weight error", f"mean {sum(werrs) / len(werrs):.4f}, max {max(werrs):.4f} (relative)")
+        for stage, s in self.timings_s.items():
+            t.add_row(f"time: {stage}", f"{s:.1f} s")
+        for note in self.notes:
+            t.add_row("note", note)
+        console.print(t)

@@ -1,0 +1,114 @@
+"""Which linears get which scheme: `--ignore` / `--override` regexes over Hugging Face module names.
+
+Users (and checkpoints) name projections the Hugging Face way (`model.layers.3.self_attn.q_proj`),
+while our model fuses q|k|v and gate|up. Every regex is matched (`re.search`) against the HF names;
+the parts of one fused module must end up with the same scheme, because they are one weight here
+(vLLM fuses them the same way and has the same rule). `lm_head` and the embeddings stay unquantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from llmopt.errors import LlmoptError
+from llmopt.layers.linear import iter_linears, output_splits
+from llmopt.quant.recipe import W4_DEFAULT_GROUPS, ModuleScheme, QuantizeConfig, make_scheme
+from llmopt.quant.scheme import valid_group_sizes
+
+UNQUANTIZED = ("lm_head",)
+
+
+@dataclass
+class Target:
+    """One of our linears, its HF parts (name → row range) and its scheme (None = left as is)."""
+
+    module: str
+    parts: dict[str, tuple[int, int]]
+    in_features: int
+    scheme: ModuleScheme | None
+
+
+def hf_parts(name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
+    """HF names of the projections inside our module `name` (e.g. layers.0.self_attn.qkv_proj)."""
+    prefix = "" if name in UNQUANTIZED else "model."
+    splits = output_splits(module)
+    if not splits:
+        return {prefix + name: (0, module.out_features)}
+    parent = name.rpartition(".")[0]
+    return {f"{prefix}{parent}.{shard}": rows for shard, rows in splits.items()}
+
+
+def _w4_group(cfg: QuantizeConfig, in_features: list[int]) -> tuple[int | None, str | None]:
+    """The int4 group size to use when the user gave none, and a note when it is not 128."""
+    if cfg.group_size is not None:
+        return cfg.group_size, None
+    for g in W4_DEFAULT_GROUPS:
+        if all(k % g == 0 for k in in_features):
+            note = None if g == W4_DEFAULT_GROUPS[0] else (
+                f"group size {W4_DEFAULT_GROUPS[0]} does not divide every input width "
+                f"({', '.join(map(str, sorted(set(in_features))))}); using {g}")
+            return g, note
+    return None, None
+
+
+def check_group_sizes(targets: list[Target]) -> None:
+    """One error for the whole model, listing group sizes that divide every quantized input width."""
+    bad = [t for t in targets if t.scheme and t.scheme.weights.group_size != -1
+           and t.in_features % t.scheme.weights.group_size]
+    if not bad:
+        return
+    gs = bad[0].scheme.weights.group_size  # type: ignore[union-attr]
+    widths = sorted({t.in_features for t in targets if t.scheme and t.scheme.weights.group_size != -1})
+    common = sorted(set.intersection(*(set(valid_group_sizes(k)) for k in widths)))
+    fast = [g for g in common if g % 32 == 0]
+    raise LlmoptError(
+        f"group size {gs} does not divide the input width {bad[0].in_features} of {next(iter(bad[0].parts))}; "
+        f"valid group sizes for this model: {', '.join(map(str, fast or common)) or 'none'}"
+        f"{' (multiples of 32 for the int4 kernels)' if fast else ''}, or -1 for per-channel")
+
+
+def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], list[str]]:
+    """Every linear of `model` with its scheme, and notes for the user (e.g. a group size chosen)."""
+    linears = [(n, m) for n, m in iter_linears(model)]
+    notes: list[str] = []
+    ignore = cfg.ignore_patterns()
+    rules = cfg.override_rules()
+    widths = [m.in_features for n, m in linears if n not in UNQUANTIZED]
+    w4_group, note = _w4_group(cfg, widths)
+    if note and (cfg.scheme == "w4a16" or any(p == "w4a16" for _, p in rules)):
+        notes.append(note)
+
+    def scheme_for(preset: str, main: bool) -> ModuleScheme:
+        gs = cfg.group_size if main else None
+        if preset == "w4a16" and (gs is None):
+            gs = w4_group
+        return make_scheme(preset, gs, cfg.symmetric)
+
+    main = scheme_for(cfg.scheme, True)
+    targets = []
+    for name, mod in linears:
+        parts = hf_parts(name, mod)
+        chosen: dict[str, ModuleScheme | None] = {}
+        for hf in parts:
+            s: ModuleScheme | None = main
+            for pattern, preset in rules:
+                if pattern.search(hf):
+                    s = scheme_for(preset, preset == cfg.scheme)
+            if name in UNQUANTIZED:
+                if s is not main:
+                    raise LlmoptError(f"quantizing {hf} is not supported: it stays in the model dtype")
+                s = None
+            if any(p.search(hf) for p in ignore):
+                s = None
+            chosen[hf] = s
+        distinct = set(chosen.values())
+        if len(distinct) > 1:
+            desc = ", ".join(f"{h.rsplit('.', 1)[1]}={'ignored' if s is None else s.preset}" for h, s in chosen.items())
+            raise LlmoptError(f"{', '.join(parts)} are one fused weight in llmopt and must share a scheme (got {desc})")
+        targets.append(Target(name, parts, mod.in_features, distinct.pop()))
+    check_group_sizes(targets)
+    if not any(t.scheme for t in targets):
+        raise LlmoptError("no linear is left to quantize (every one matched --ignore)")
+    return targets, notes

@@ -1,0 +1,109 @@
+"""Calibration data: every local format through `datasets`, weights, dedupe, seeded sampling, packing
+and the eval-overlap rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmopt.calibrate.overlap import build_eval_index, find_overlaps
+from llmopt.calibrate.run import CalibrationDataConfig, sample_windows
+from llmopt.calibrate.sources import DataSource, load_texts
+from llmopt.calibrate.windows import allocate, build_calibration_set, dedupe
+from llmopt.errors import LlmoptError
+from llmopt.testing.tiny_model import build_tokenizer
+
+DOCS = [f"Document {i}: the quick brown fox number {i} jumps over {i * 7} lazy dogs near river {i % 5}. " * 3
+        for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    """The same 40 documents as jsonl, csv, parquet and a directory of .txt files."""
+    import pandas as pd
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    pd.DataFrame({"text": DOCS}).to_csv(tmp_path / "d.csv", index=False)
+    pd.DataFrame({"text": DOCS}).to_parquet(tmp_path / "d.parquet")
+    (tmp_path / "txt").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "txt" / f"{i:02d}.txt").write_text(d + "\nsecond line\n")
+    return tmp_path
+
+
+def test_every_local_format_reads_the_same_texts(corpus):
+    for name in ("d.jsonl", "d.csv", "d.parquet"):
+        assert load_texts(DataSource(path=str(corpus / name))) == DOCS
+    txt = load_texts(DataSource(path=str(corpus / "txt")))
+    assert len(txt) == len(DOCS) and txt[0] == DOCS[0] + "\nsecond line\n"  # one document per file
+
+
+def test_source_spec_weight_and_errors(corpus, monkeypatch):
+    assert DataSource.parse("a/b.jsonl:2.5") == DataSource(path="a/b.jsonl", weight=2.5)
+    assert DataSource.parse("wikitext").weight == 1.0
+    (corpus / "x.bin").write_text("?")
+    with pytest.raises(LlmoptError, match="unknown data format"):
+        load_texts(DataSource(path=str(corpus / "x.bin")))
+    (corpus / "bad.jsonl").write_text('{"body": "no text field"}\n')
+    with pytest.raises(LlmoptError, match="no text column"):
+        load_texts(DataSource(path=str(corpus / "bad.jsonl")))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(LlmoptError, match="not a local path.*offline"):
+        load_texts(DataSource(path="no-such-org/no-such-dataset"))
+
+
+def test_dedupe_and_allocate():
+    out, dups = dedupe(["a b", "a  b\n", "c"], set())
+    assert out == ["a b", "c"] and dups == 1
+    assert allocate(10, [1, 1, 1]) == [4, 3, 3]
+    assert allocate(128, [3, 1]) == [96, 32]
+
+
+def test_windows_are_reproducible_mixed_and_packed(corpus, tok):
+    srcs = [DataSource(path=str(corpus / "d.jsonl"), weight=3), DataSource(path=str(corpus / "txt"), weight=1)]
+    a = build_calibration_set(srcs, tok, num_samples=8, seq_len=32, seed=1)
+    b = build_calibration_set(srcs, tok, num_samples=8, seq_len=32, seed=1)
+    c = build_calibration_set(srcs, tok, num_samples=8, seq_len=32, seed=2)
+    assert a.windows.shape == (8, 32) and a.per_source == {srcs[0].path: 6, srcs[1].path: 2}
+    assert (a.windows == b.windows).all() and not (a.windows == c.windows).all()
+    # the same documents in another source are duplicates
+    dup = build_calibration_set([srcs[0], DataSource(path=str(corpus / "d.csv"))], tok, 4, 32)
+    assert dup.num_duplicates == len(DOCS)
+
+
+def test_too_little_data_warns_and_uses_what_there_is(corpus, tok):
+    cs = build_calibration_set([DataSource(path=str(corpus / "d.jsonl"))], tok, num_samples=10_000, seq_len=64)
+    assert 0 < cs.windows.shape[0] < 10_000
+    assert "windows of 64 tokens available" in cs.warnings[0]
+    with pytest.raises(LlmoptError, match="no window"):
+        build_calibration_set([DataSource(path=str(corpus / "d.jsonl"))], tok, 4, seq_len=100_000)
+
+
+def test_eval_overlap_is_an_error_unless_allowed(corpus, tok, tmp_path):
+    base = CalibrationDataConfig(data=[str(corpus / "d.jsonl")], num_samples=40, seq_len=32)
+    first = tok.decode(sample_windows(base, tok).windows[0].tolist())
+    leaked = " ".join(first.split()[2:12])  # ten words the windows certainly contain
+    ev = tmp_path / "eval.jsonl"
+    ev.write_text(json.dumps({"question": leaked, "choices": ["x"], "answer": 0}) + "\n")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(json.dumps({"question": "What colour is the sky over Tallinn in winter?",
+                                 "context": "Nothing from the corpus at all, nothing at all."}) + "\n")
+    cfg = base.model_copy(update={"eval_data": [str(ev)]})
+    with pytest.raises(LlmoptError, match="overlap the eval data"):
+        sample_windows(cfg, tok)
+    cs = sample_windows(cfg.model_copy(update={"allow_overlap": True}), tok)
+    assert any("overlap" in w for w in cs.warnings)
+    assert sample_windows(cfg.model_copy(update={"eval_data": [str(clean)]}), tok).warnings == []
+    # a verbatim context is caught too, and plain-text eval files by 8-grams
+    index = build_eval_index([str(corpus / "txt" / "05.txt")])
+    assert find_overlaps([DOCS[5]], index) and not find_overlaps(["unrelated words " * 5], index)
+    ctx = tmp_path / "ctx.jsonl"
+    ctx.write_text(json.dumps({"context": "over 21 lazy dogs", "question": "q?"}) + "\n")
+    assert find_overlaps([DOCS[3]], build_eval_index([str(ctx)]))

@@ -1,0 +1,101 @@
+"""Other readers of our checkpoints: the compressed-tensors library decompresses them to exactly our
+weights; transformers parses our GPTQ config (its GPTQ kernels need optimum/gptqmodel, which are not
+installed here, so loading stops there)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _pipeline_helpers import calib_options, quantize_tiny
+from safetensors.torch import load_file
+
+from llmopt.quant.rows import slice_rows
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import BaseCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+from compressed_tensors.utils.match import match_name  # noqa: E402
+
+
+def _library_weight(qcfg: QuantizationConfig, tensors: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
+    group = next(g for g in qcfg.config_groups.values()
+                 if any(t == "Linear" or match_name(hf, t) for t in g.targets))
+    compressor = BaseCompressor.get_value_from_registry(group.format or qcfg.format)
+    local = {k[len(hf) + 1:]: v for k, v in tensors.items() if k.startswith(hf + ".") and not k.endswith(".bias")}
+    return compressor.decompress(local, group)["weight"]
+
+
+@pytest.mark.parametrize("options", [
+    {"scheme": "w4a16", "group_size": 32},
+    {"scheme": "w4a16", "group_size": 64, "symmetric": False},
+    {"scheme": "w8a16"},
+    {"scheme": "fp8"},
+    {"scheme": "w8a8", **calib_options()},
+    {"scheme": "w4a16", "group_size": 32, "override": ["mlp=w8a16"], "ignore": [r"layers\.1\.self_attn"]},
+], ids=["w4-sym", "w4-asym", "w8", "fp8", "w8a8", "mixed"])
+def test_compressed_tensors_library_decompresses_our_checkpoint_exactly(tiny_llama, tmp_path, monkeypatch, options):
+    out = tmp_path / "q"
+    _, modules = quantize_tiny(monkeypatch, tiny_llama, out, format="compressed-tensors", **options)
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    qcfg = QuantizationConfig.model_validate(cfg)
+    tensors = load_file(str(out / "model.safetensors"))
+    checked = 0
+    for qm in modules.values():
+        for hf, (lo, hi) in qm.target.parts.items():
+            ours = slice_rows(qm.qw, lo, hi)
+            got = _library_weight(qcfg, tensors, hf)
+            assert torch.equal(got.float(), ours.dequantize(got.dtype).float()), hf
+            assert hf not in qcfg.ignore
+            checked += 1
+    assert checked == sum(len(qm.target.parts) for qm in modules.values())
+    for hf in cfg["ignore"]:
+        assert f"{hf}.weight" in tensors or hf == "lm_head"
+
+
+def test_kv_cache_scheme_is_valid_for_the_library(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", kv_cache="int8", **calib_options())
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    qcfg = QuantizationConfig.model_validate(cfg)
+    assert qcfg.kv_cache_scheme.num_bits == 8 and qcfg.kv_cache_scheme.strategy == "attn_head"
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.layers.1.self_attn.k_scale"].shape == (2, 1, 1)
+
+
+def test_transformers_parses_our_gptq_config(tiny_llama, tmp_path, monkeypatch):
+    from transformers import AutoConfig, GPTQConfig
+
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w4a16", group_size=32, format="gptq")
+    qc = AutoConfig.from_pretrained(str(out)).quantization_config
+    parsed = GPTQConfig.from_dict(qc)
+    assert (parsed.bits, parsed.group_size, parsed.sym, parsed.desc_act) == (4, 32, True, False)
+    assert qc["checkpoint_format"] == "gptq" and qc["quant_method"] == "gptq"
+
+
+# asymmetric pack-quantized is left out: transformers 5.24 allocates weight_zero_point unpacked
+# ([out, groups]) and rejects the packed tensor the compressed-tensors library itself writes
+@pytest.mark.parametrize("options", [{"scheme": "w4a16", "group_size": 32}, {"scheme": "w8a16"}], ids=["w4", "w8"])
+def test_transformers_loads_our_compressed_checkpoint(tiny_llama, tmp_path, monkeypatch, options):
+    """transformers + compressed-tensors (ModelCompressor) decompress to our exact weights, and its
+    logits match llmopt's on the same quantized model."""
+    from transformers import AutoModelForCausalLM
+
+    from llmopt import LLM
+    from llmopt.engine.scoring import iter_logits
+
+    out = tmp_path / "q"
+    _, modules = quantize_tiny(monkeypatch, tiny_llama, out, **options)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = [5, 9, 17, 33, 65, 129, 200]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]  # the first forward decompresses every module
+    for qm in modules.values():
+        for name, (lo, hi) in qm.target.parts.items():
+            w = hf.get_submodule(name).weight
+            assert torch.equal(w.float(), slice_rows(qm.qw, lo, hi).dequantize(w.dtype).float()), name
+    llm = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16)
+    got = dict(iter_logits(llm.engine, [ids]))[0]
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)

@@ -1,0 +1,119 @@
+"""Model-level quantization on the tiny model: GPTQ and AWQ beat RTN, calibration directories feed
+quantize, INT8 KV-cache scales reach the engine, and a failed run leaves no output directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _pipeline_helpers import KB_CALIB, calib_options, quantize_tiny
+
+from llmopt import LLM
+from llmopt.calibrate import CalibrateConfig, run_calibration
+from llmopt.engine.scoring import iter_logits
+from llmopt.errors import LlmoptError
+from llmopt.quant import pipeline
+from llmopt.quant.pipeline import quantize_model
+from llmopt.quant.recipe import QuantizeConfig
+
+
+def _heldout(n: int = 4, length: int = 48) -> list[list[int]]:
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(3, 400, (n, length), generator=g).tolist()
+
+
+def _logit_error(model_dir, ref: dict[int, torch.Tensor], seqs) -> float:
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=32)
+    got = dict(iter_logits(llm.engine, seqs))
+    return sum(float((got[i] - ref[i]).pow(2).mean()) for i in ref) / len(ref)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32)
+    return dict(iter_logits(llm.engine, _heldout()))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_beat_rtn(tiny_llama, tmp_path, monkeypatch, reference, method):
+    common = {"scheme": "w4a16", "group_size": 32, **calib_options(num_samples=12, seq_len=64)}
+    rtn, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "rtn", **common)
+    smart, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / method, method=method, **common)
+    assert all(m.method == method for m in smart.modules)
+    assert all(m.output_rel_err is not None for m in smart.modules)
+    seqs = _heldout()
+    e_rtn = _logit_error(tmp_path / "rtn", reference, seqs)
+    e_smart = _logit_error(tmp_path / method, reference, seqs)
+    assert e_smart < e_rtn, (e_smart, e_rtn)
+    report = json.loads((tmp_path / method / "quantization_report.json").read_text())
+    assert report["calibration"]["windows"] == 12 and report["timings_s"]["total"] > 0
+    assert any(k.startswith("quantize (") for k in report["timings_s"])
+
+
+def test_awq_folds_into_norms_and_keeps_the_float_function(tiny_llama, tmp_path, monkeypatch):
+    """AWQ's channel scaling alone (before rounding) must not change the model: w8 AWQ stays close."""
+    _, modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "awq", scheme="w8a16", method="awq",
+                               **calib_options())
+    base = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32).engine.model
+    got = LLM(str(tmp_path / "awq"), dtype="float32", device="cpu", num_kv_blocks=32).engine.model
+    assert not torch.equal(base.layers[0].input_layernorm.weight, got.layers[0].input_layernorm.weight)
+    ref = dict(iter_logits(LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32).engine, _heldout()))
+    assert _logit_error(tmp_path / "awq", ref, _heldout()) < 1e-3
+
+
+def test_calib_dir_feeds_quantize_and_kv_scales_reach_the_engine(tiny_llama, tmp_path):
+    calib = tmp_path / "calib"
+    run_calibration(CalibrateConfig(model=str(tiny_llama), data=[str(KB_CALIB)], num_samples=6, seq_len=64,
+                                    output=calib, device="cpu"))
+    out = tmp_path / "q"
+    report = quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w8a16", method="gptq", calib=calib,
+                                           kv_cache="int8", output=out, device="cpu", forward_dtype="float32"))
+    assert report.calibration["windows"] == 6
+    llm = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=32)
+    cache = llm.engine.kv_cache
+    assert cache.quantized and cache.static_k_scale is not None and cache.static_k_scale.shape == (2, 2)
+    assert (cache.static_k_scale > 0).all() and (cache.static_v_scale > 0).all()
+    ref = dict(iter_logits(LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=32).engine, _heldout()))
+    assert all(torch.isfinite(v).all() for v in ref.values())
+
+
+def test_calib_dir_of_another_model_is_refused(tiny_llama, tiny_qwen2, tmp_path):
+    calib = tmp_path / "calib"
+    run_calibration(CalibrateConfig(model=str(tiny_llama), data=[str(KB_CALIB)], num_samples=2, seq_len=32,
+                                    output=calib, device="cpu"))
+    with pytest.raises(LlmoptError, match="another model"):
+        quantize_model(QuantizeConfig(model=str(tiny_qwen2), scheme="w4a16", group_size=32, method="gptq",
+                                      calib=calib, output=tmp_path / "q", device="cpu"))
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_a_crash_mid_write_leaves_no_output(tiny_llama, tmp_path, monkeypatch, exc):
+    def crash(out, *args, **kwargs):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise exc
+
+    monkeypatch.setattr(pipeline, "write_checkpoint", crash)
+    out = tmp_path / "q"
+    with pytest.raises(type(exc)):
+        quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w4a16", group_size=32, output=out, device="cpu"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_override_after_loading_leaves_no_output(tiny_llama, tmp_path):
+    out = tmp_path / "q"
+    with pytest.raises(LlmoptError, match="fused"):
+        quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w4a16", group_size=32,
+                                      override=["k_proj=w8a16"], output=out, device="cpu"))
+    assert not out.exists()
+
+
+def test_overwrite_replaces_a_previous_output(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16")
+    with pytest.raises(LlmoptError, match="already exists"):
+        quantize_tiny(monkeypatch, tiny_llama, out, scheme="w4a16", group_size=32)
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w4a16", group_size=32, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"]["num_bits"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]

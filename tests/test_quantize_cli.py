@@ -1,0 +1,62 @@
+"""`llmopt quantize` end to end through the CLI, and its error paths (exit 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmopt.cli import main
+
+KB = Path(__file__).resolve().parents[1] / "calibration_data" / "kb_calibration.jsonl"
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["llmopt", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
+    out = tmp_path / "q"
+    r = subprocess.run([sys.executable, "-m", "llmopt", "quantize", str(tiny_llama), "--scheme", "w4a16",
+                        "--group-size", "32", "--method", "gptq", "--calib-data", str(KB), "--num-samples", "4",
+                        "--seq-len", "64", "--format", "gptq", "-o", str(out), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["format"] == "gptq" and len(report["modules"]) == 8
+    r = subprocess.run([sys.executable, "-m", "llmopt", "generate", str(out), "-p", "The quick", "--max-tokens",
+                        "4", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    gen = json.loads(r.stdout)
+    assert gen["output_tokens"] == 4 and gen["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--scheme", "w3a16"], "invalid scheme"),
+    (["--scheme", "w4a16", "--group-size", "48"], "valid group sizes for this model: 32, 64"),
+    (["--scheme", "w4a16", "--calib", "no-such-dir", "--method", "gptq"], "no-such-dir"),
+    (["--scheme", "w4a16", "--ignore", "(["], "bad regex"),
+    (["--scheme", "w4a16", "--override", "v_proj=w8a16"], "must share a scheme"),
+    (["--scheme", "w4a16", "--method", "gptq"], "needs calibration data"),
+    (["--scheme", "fp8", "--format", "gptq"], "gptq format"),
+])
+def test_bad_input_is_one_line_exit_2(tiny_llama, tmp_path, monkeypatch, capsys, args, msg):
+    out = tmp_path / "q"
+    code, _, err = run_cli(monkeypatch, capsys, "quantize", str(tiny_llama), *args, "-o", str(out))
+    assert code == 2
+    assert msg in err and err.strip().count("\n") == 0 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_existing_output_dir_is_refused(tiny_llama, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "q"
+    out.mkdir()
+    code, _, err = run_cli(monkeypatch, capsys, "quantize", str(tiny_llama), "--scheme", "w8a16", "-o", str(out))
+    assert code == 2 and "already exists; pass --overwrite" in err and err.strip().count("\n") == 0
