@@ -76,7 +76,7 @@ def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Man
     from llmopt.devices import resolve_device
     from llmopt.models.loader import load_model
     from llmopt.models.resolve import resolve_model, weights_dir
-    from llmopt.models.tokenizer import load_tokenizer as _load_tokenizer
+    from llmopt.models.tokenizer import load_tokenizer
 
     console = console or Console(stderr=True)
     check_output_dir(cfg.output, cfg.overwrite)
@@ -84,7 +84,7 @@ def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Man
     if resolved.quantization_config is not None:
         raise LlmoptError(f"{resolved.path} is already quantized; calibrate the original model")
     directory = weights_dir(resolved)
-    tokenizer = _load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
     cs = sample_windows(cfg, tokenizer, console)
     device = resolve_device(cfg.device)
     model = load_model(resolved, torch.float32, device)

@@ -33,7 +33,6 @@ from llmopt.models.tokenizer import load_tokenizer
 from llmopt.quant.checkpoint import kv_cache_scales
 
 DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
-_load_tokenizer = load_tokenizer  # old name, kept while callers move to llmopt.models.tokenizer
 
 
 class RequestError(LlmoptError):

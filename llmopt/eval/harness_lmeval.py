@@ -46,7 +46,7 @@ def evaluate_task_lmeval(model: str | None, task: Task, limit: int | None = None
 
     from llmopt.models.loader import parse_dtype
     from llmopt.models.resolve import resolve_model, weights_dir
-    from llmopt.models.tokenizer import load_tokenizer as _load_tokenizer
+    from llmopt.models.tokenizer import load_tokenizer
 
     resolved = resolve_model(model)
     if resolved.quantization_config is not None:
@@ -56,7 +56,7 @@ def evaluate_task_lmeval(model: str | None, task: Task, limit: int | None = None
     torch_dtype = parse_dtype(dtype, resolved.spec.dtype)
     t0 = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch_dtype).to(device).eval()
-    lm = HFLM(pretrained=hf, tokenizer=_load_tokenizer(directory), batch_size=batch_size, device=device)
+    lm = HFLM(pretrained=hf, tokenizer=load_tokenizer(directory), batch_size=batch_size, device=device)
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
     with torch.inference_mode():

@@ -59,7 +59,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     from llmopt.devices import resolve_device
     from llmopt.models.loader import load_model
     from llmopt.models.resolve import resolve_model, weights_dir
-    from llmopt.models.tokenizer import load_tokenizer as _load_tokenizer
+    from llmopt.models.tokenizer import load_tokenizer
     from llmopt.quant.targets import plan_targets
 
     console = console or Console(stderr=True)
@@ -78,7 +78,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     load_s = time.perf_counter() - t0
     targets, notes = plan_targets(model, cfg)
     quantization_config(targets, cfg.format, cfg.act_order, cfg.damp, cfg.kv_cache is not None)  # fail early
-    tokenizer = _load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
     for note in notes:
         console.print(f"[cyan]note:[/] {note}", highlight=False)
     t0 = time.perf_counter()

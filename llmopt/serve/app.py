@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmopt.engine.config import EngineConfig
 from llmopt.engine.llm_engine import LLMEngine
+from llmopt.models.tokenizer import load_tokenizer
 from llmopt.serve.admission import AdmissionController
 from llmopt.serve.auth import SCOPE_KEY, ApiKeyAuth, ApiKeyMiddleware
 from llmopt.serve.config import ServerConfig
@@ -23,7 +24,7 @@ from llmopt.serve.engine_loop import EngineLoop
 from llmopt.serve.errors import install_error_handlers
 from llmopt.serve.limits import BodySizeLimit
 from llmopt.serve.metrics import CONTENT_TYPE, ServerMetrics
-from llmopt.serve.prompts import PromptBuilder, load_tokenizer
+from llmopt.serve.prompts import PromptBuilder
 from llmopt.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmopt.serve.semantic_cache import SemanticCache
 from llmopt.serve.serving import OpenAIServing

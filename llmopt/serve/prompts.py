@@ -8,15 +8,7 @@ does), chat renders the template and encodes without adding special tokens (the 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from llmopt.serve.errors import ApiError
-
-
-def load_tokenizer(directory: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory))
 
 
 def _check_unicode(text: str, param: str) -> None:
