@@ -76,7 +76,7 @@ def test_scenarios():
     ({"model": "m", "gates": ["tput>=1"]}, "unknown gate metric 'tput'"),
     ({"model": "m", "gates": ["output_throughput>>1"]}, "cannot parse gate"),
     ({"model": "m", "static_batch_size": 4}, "only applies to --scenario static-vs-continuous"),
-    ({"model": "m", "scenario": "speculation"}, "unknown scenario 'speculation'"),
+    ({"model": "m", "scenario": "medusa"}, "unknown scenario 'medusa'"),
     ({"url": "h:1", "scenario": "prefix-cache"}, "use --model, not --url"),
     ({"model": "m", "scenario": "static-vs-continuous", "request_rate": "4"}, "drop --request-rate"),
     ({"model": "m", "scenario": "static-vs-continuous", "concurrency": "4", "static_batch_size": 4}, "not both"),

@@ -94,7 +94,7 @@ def test_429_latency_while_saturated(small):
     (a client in this one would share the server's GIL and time itself)."""
     async def main():
         async with httpx.AsyncClient(base_url=small.base_url, timeout=120) as c:
-            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _LATENCY_CLIENT, small.base_url, "30",
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _LATENCY_CLIENT, small.base_url, "10",
                                                         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
             assert (await proc.stdout.readline()).strip() == b"ready"
             load = await saturate(c, small, 4)
