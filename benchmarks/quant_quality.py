@@ -11,8 +11,9 @@ fp32 model, with calibrated static per-head scales (`llmopt calibrate`) and with
 per-token scales. Each quantization run is timed (wall and process CPU time: the machine is shared).
 
 Decode speed: one stream, `--decode-tokens` greedy tokens, for the fp32 engine, a dense bf16 engine and
-the W8A16 / W4A16 checkpoints with bf16 activations (their default); rounds are interleaved and the
-best of `--rounds` is kept, so the ratios come from the same moments of a noisy machine.
+the W8A16 / W4A16 checkpoints with bf16 activations (their default), on `--decode-threads` (1: see its
+help); rounds are interleaved and the best of `--rounds` is kept, so the ratios come from the same
+moments of a noisy machine.
 Prints a markdown table and writes every number to --json as it goes.
 """
 
@@ -78,6 +79,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--decode-threads", type=int, default=1,
+                    help="threads for the decode comparison: on a shared machine multi-threaded tiny kernels stall "
+                         "(a 576x1536 int8/int4/bf16 GEMV: 0.03 ms on 1 thread, 16-24 ms on 2 busy ones)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/llmopt-quant-quality"))
     ap.add_argument("--json", type=Path, default=Path("quant_quality.json"))
     ap.add_argument("--extra-calib", type=Path, default=None,
@@ -149,6 +153,8 @@ def main() -> None:
             del llm
             save()
     if not args.skip_decode:
+        torch.set_num_threads(args.decode_threads)
+        results["decode_threads"] = args.decode_threads
         engines = {"fp32": LLM(MODEL, dtype="float32", device="cpu", **kv),
                    "bf16 dense": LLM(MODEL, dtype="bfloat16", device="cpu", **kv),
                    "W8A16 (bf16 act.)": LLM(str(wd / "w8a16"), device="cpu", **kv),
