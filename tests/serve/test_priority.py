@@ -81,10 +81,11 @@ def test_equal_priority_is_first_come_first_served(prio):
 
 
 def test_aging_lets_a_long_waiting_low_priority_request_through(tiny_llama):
-    # 0.05 s per class: after waiting 0.6 s the class -3 request outranks a fresh class 4 one
-    with serve(tiny_llama, engine_kw={"max_num_seqs": 1}, api_keys=["gold"], priority_aging_s=0.05) as srv:
+    # 0.02 s per class: after waiting 0.25 s the class -3 request outranks a fresh class 4 one. The gap is
+    # kept short because the 1000-token blocker must still be running when the second request queues.
+    with serve(tiny_llama, engine_kw={"max_num_seqs": 1}, api_keys=["gold"], priority_aging_s=0.02) as srv:
         order = asyncio.run(race(srv, ({"prompt": "old", "priority": -3}, "gold"),
-                                 ({"prompt": "new", "priority": 4}, "gold"), gap_s=0.6))
+                                 ({"prompt": "new", "priority": 4}, "gold"), gap_s=0.25))
     assert order == ["first", "second"]
 
 
