@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -108,7 +109,9 @@ def build_calibration_set(sources: list[DataSource], tokenizer, num_samples: int
     per_source: dict[str, int] = {}
     warnings: list[str] = []
     for idx, (s, texts, want) in enumerate(zip(sources, loaded, counts, strict=True)):
-        rng = random.Random(f"{seed}:{idx}:{s.path}")
+        # seeded by the source's file name, not its absolute path, so the same data gives the same
+        # windows in every checkout (the CI clone and a developer's tree)
+        rng = random.Random(f"{seed}:{idx}:{Path(s.path).name}")
         got = pack_source(texts, tokenizer, want, seq_len, rng, chat_template) if want and texts else []
         if len(got) < want:
             warnings.append(f"{s.path}: only {len(got)} windows of {seq_len} tokens available "

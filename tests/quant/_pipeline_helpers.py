@@ -14,6 +14,7 @@ from llmopt.quant.sequential import QuantizedModule
 
 REPO = Path(__file__).resolve().parents[2]
 KB_CALIB = REPO / "calibration_data" / "kb_calibration.jsonl"
+KB_FACTS = REPO / "calibration_data" / "kb_facts.md"
 
 
 def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[QuantReport, dict[str, QuantizedModule]]:

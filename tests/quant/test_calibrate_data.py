@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from llmopt.calibrate.overlap import build_eval_index, find_overlaps
 from llmopt.calibrate.run import CalibrationDataConfig, sample_windows
@@ -76,6 +77,16 @@ def test_windows_are_reproducible_mixed_and_packed(corpus, tok):
     # the same documents in another source are duplicates
     dup = build_calibration_set([srcs[0], DataSource(path=str(corpus / "d.csv"))], tok, 4, 32)
     assert dup.num_duplicates == len(DOCS)
+
+
+def test_windows_do_not_depend_on_where_the_checkout_lives(corpus, tok, tmp_path):
+    """The same file under another directory gives the same windows (CI clones elsewhere)."""
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    (moved / "d.jsonl").write_bytes((corpus / "d.jsonl").read_bytes())
+    a = build_calibration_set([DataSource(path=str(corpus / "d.jsonl"))], tok, num_samples=6, seq_len=32)
+    b = build_calibration_set([DataSource(path=str(moved / "d.jsonl"))], tok, num_samples=6, seq_len=32)
+    assert torch.equal(a.windows, b.windows)
 
 
 def test_too_little_data_warns_and_uses_what_there_is(corpus, tok):

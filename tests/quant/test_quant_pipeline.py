@@ -3,11 +3,13 @@ quantize, INT8 KV-cache scales reach the engine, and a failed run leaves no outp
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
-from _pipeline_helpers import KB_CALIB, calib_options, quantize_tiny
+from _pipeline_helpers import KB_CALIB, KB_FACTS, calib_options, quantize_tiny
+from transformers import AutoTokenizer
 
 from llmopt import LLM
 from llmopt.calibrate import CalibrateConfig, run_calibration
@@ -18,9 +20,14 @@ from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 
 
-def _heldout(n: int = 4, length: int = 48) -> list[list[int]]:
-    g = torch.Generator().manual_seed(123)
-    return torch.randint(3, 400, (n, length), generator=g).tolist()
+@functools.cache
+def _heldout(model_dir, n: int = 4, length: int = 48) -> tuple[tuple[int, ...], ...]:
+    """In-domain text that calibration never reads: GPTQ fits the calibration distribution, so it is
+    judged on the same kind of text (on random token streams it can lose to RTN — measured)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(KB_FACTS.read_text())["input_ids"]
+    assert len(ids) >= n * length
+    return tuple(tuple(ids[i * length:(i + 1) * length]) for i in range(n))
 
 
 def _logit_error(model_dir, ref: dict[int, torch.Tensor], seqs) -> float:
@@ -32,20 +39,22 @@ def _logit_error(model_dir, ref: dict[int, torch.Tensor], seqs) -> float:
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32)
-    return dict(iter_logits(llm.engine, _heldout()))
+    return dict(iter_logits(llm.engine, _heldout(tiny_llama)))
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_methods_beat_rtn(tiny_llama, tmp_path, monkeypatch, reference, method):
+# GPTQ's logit error on held-out kb text measured at 0.40-0.50x RTN's over six calibration seeds,
+# AWQ's at 0.70-0.95x
+@pytest.mark.parametrize(("method", "ratio"), [("gptq", 0.7), ("awq", 1.0)])
+def test_calibrated_methods_beat_rtn(tiny_llama, tmp_path, monkeypatch, reference, method, ratio):
     common = {"scheme": "w4a16", "group_size": 32, **calib_options(num_samples=12, seq_len=64)}
     rtn, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "rtn", **common)
     smart, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / method, method=method, **common)
     assert all(m.method == method for m in smart.modules)
     assert all(m.output_rel_err is not None for m in smart.modules)
-    seqs = _heldout()
+    seqs = [list(s) for s in _heldout(tiny_llama)]
     e_rtn = _logit_error(tmp_path / "rtn", reference, seqs)
     e_smart = _logit_error(tmp_path / method, reference, seqs)
-    assert e_smart < e_rtn, (e_smart, e_rtn)
+    assert e_smart < ratio * e_rtn, (e_smart, e_rtn)
     report = json.loads((tmp_path / method / "quantization_report.json").read_text())
     assert report["calibration"]["windows"] == 12 and report["timings_s"]["total"] > 0
     assert any(k.startswith("quantize (") for k in report["timings_s"])
@@ -58,8 +67,8 @@ def test_awq_folds_into_norms_and_keeps_the_float_function(tiny_llama, tmp_path,
     base = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32).engine.model
     got = LLM(str(tmp_path / "awq"), dtype="float32", device="cpu", num_kv_blocks=32).engine.model
     assert not torch.equal(base.layers[0].input_layernorm.weight, got.layers[0].input_layernorm.weight)
-    ref = dict(iter_logits(LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32).engine, _heldout()))
-    assert _logit_error(tmp_path / "awq", ref, _heldout()) < 1e-3
+    ref = dict(iter_logits(LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=32).engine, _heldout(tiny_llama)))
+    assert _logit_error(tmp_path / "awq", ref, _heldout(tiny_llama)) < 1e-3
 
 
 def test_calib_dir_feeds_quantize_and_kv_scales_reach_the_engine(tiny_llama, tmp_path):
@@ -74,7 +83,7 @@ def test_calib_dir_feeds_quantize_and_kv_scales_reach_the_engine(tiny_llama, tmp
     cache = llm.engine.kv_cache
     assert cache.quantized and cache.static_k_scale is not None and cache.static_k_scale.shape == (2, 2)
     assert (cache.static_k_scale > 0).all() and (cache.static_v_scale > 0).all()
-    ref = dict(iter_logits(LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=32).engine, _heldout()))
+    ref = dict(iter_logits(LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=32).engine, _heldout(tiny_llama)))
     assert all(torch.isfinite(v).all() for v in ref.values())
 
 
