@@ -6,7 +6,8 @@ Perplexity: the first `--tokens` tokens of ../shared/data/wikitext2-valid.txt in
 `--seq-len` windows, scored teacher-forced through `llmopt.engine.scoring` with float32 activations
 (quantized checkpoints apply their exact dequantized weights in fp32; see llmopt/quant/dequantized.py).
 Variants: fp32 baseline, W8A16 RTN, W4A16 g64 RTN (sym), W4A16 g64 GPTQ and AWQ (calibrated on
-calibration_data/kb_calibration.jsonl, --num-samples × --calib-seq-len), and an INT8 KV cache on the
+--calib, by default calibration_data/general_prose.jsonl and kb_calibration.jsonl mixed 1:1,
+--num-samples × --calib-seq-len), and an INT8 KV cache on the
 fp32 model, with calibrated static per-head scales (`llmopt calibrate`) and with the engine's dynamic
 per-token scales. Each quantization run is timed (wall and process CPU time: the machine is shared).
 
@@ -37,6 +38,7 @@ from llmopt.quant.recipe import QuantizeConfig
 ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 KB = ROOT / "calibration_data" / "kb_calibration.jsonl"
+GENERAL = ROOT / "calibration_data" / "general_prose.jsonl"
 MODEL = "smollm2-135m"
 PROMPT = "The history of the city begins in the"
 
@@ -84,6 +86,9 @@ def main() -> None:
                          "(a 576x1536 int8/int4/bf16 GEMV: 0.03 ms on 1 thread, 16-24 ms on 2 busy ones)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/llmopt-quant-quality"))
     ap.add_argument("--json", type=Path, default=Path("quant_quality.json"))
+    ap.add_argument("--calib", nargs="+", default=[str(GENERAL), str(KB)],
+                    help="calibration sources (PATH or PATH:weight) for GPTQ, AWQ and the KV scales "
+                         "(default: the general prose and the kb texts, mixed 1:1)")
     ap.add_argument("--extra-calib", type=Path, default=None,
                     help="also run W4A16 g64 GPTQ (act-order) calibrated on this file, checked against the eval text")
     ap.add_argument("--only", nargs="*", default=None, help="run only the variants whose label contains one of these")
@@ -94,7 +99,7 @@ def main() -> None:
     wd = args.work_dir
     wd.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"torch": torch.__version__, "threads": args.threads, "tokens": args.tokens,
-                               "seq_len": args.seq_len, "variants": {}}
+                               "seq_len": args.seq_len, "calib": args.calib, "variants": {}}
 
     def save() -> None:
         args.json.write_text(json.dumps(results, indent=2))
@@ -102,7 +107,7 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    calib = {"calib_data": [str(KB)], "num_samples": args.num_samples, "seq_len": args.calib_seq_len}
+    calib = {"calib_data": args.calib, "num_samples": args.num_samples, "seq_len": args.calib_seq_len}
     kv = {"num_kv_blocks": 128}
     plan = [
         ("fp32", None, {}),
@@ -140,7 +145,7 @@ def main() -> None:
         save()
     if not args.skip_ppl and (args.only is None or any("KV" in o for o in args.only)):
         log("calibrating KV-cache scales")
-        run_calibration(CalibrateConfig(model=MODEL, data=[str(KB)], num_samples=args.num_samples,
+        run_calibration(CalibrateConfig(model=MODEL, data=args.calib, num_samples=args.num_samples,
                                         seq_len=args.calib_seq_len, output=wd / "calib", overwrite=True,
                                         device="cpu"))
         k, v = SavedStats.load(wd / "calib" / "stats.safetensors").kv_absmax(30)

@@ -239,3 +239,19 @@ def test_leak_check_catches_planted_overlap(mc, gen):
     assert any("calibration #0" in p and "question" in p for p in problems)
     assert any("calibration #1" in p and "context" in p for p in problems)
     assert not any("calibration #2" in p for p in problems)
+
+
+def test_general_prose_is_varied_and_not_wikitext():
+    """The general half of the default calibration mix: long original prose, no duplicates, and no
+    12-word run shared with the WikiText-2 text that perplexity is scored on (when it is present)."""
+    rows = load_jsonl("general_prose.jsonl")
+    texts = [row["text"] for row in rows]
+    assert all(set(row) == {"text"} and row["text"].strip() for row in rows)
+    assert len({squash(t) for t in texts}) == len(texts) >= 80
+    assert sum(len(t.split()) for t in texts) >= 30_000
+    wikitext = DATA.parents[1] / "shared" / "data" / "wikitext2-valid.txt"
+    if not wikitext.is_file():
+        pytest.skip("../shared/data/wikitext2-valid.txt not present")
+    eval_grams = ngrams(words(wikitext.read_text(encoding="utf-8")), 12)
+    shared = [i for i, t in enumerate(texts) if ngrams(words(t), 12) & eval_grams]
+    assert not shared, f"general_prose rows {shared} share a 12-word run with WikiText-2"
