@@ -94,22 +94,22 @@ class ModelRunner:
                 if c + 1 == seq.num_tokens:
                     logit_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
-            meta.decode_slots, meta.decode_mask = self._decode_gather(tables, ctx_lens)
+            meta.decode_blocks, meta.decode_mask = self._decode_gather(tables, ctx_lens)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes)
 
     def _decode_gather(self, tables: list[list[int]], ctx_lens: list[int]):
-        """Gather indices [B, max_ctx] into the pool and the padding mask [B, 1, 1, max_ctx]."""
+        """Block tables [B, max_blocks] padded with block 0, and the mask [1, B, 1, max_blocks * block_size]
+        of the positions each sequence attends to."""
         bs, dev = self.block_size, self.device
-        max_ctx = max(ctx_lens)
-        max_blocks = -(-max_ctx // bs)
+        max_blocks = -(-max(ctx_lens) // bs)
         bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
                           dtype=torch.long, device=dev)
-        p = torch.arange(max_ctx, device=dev)
+        p = torch.arange(max_blocks * bs, device=dev)
         lens = torch.tensor(ctx_lens, device=dev)
-        return bt[:, p // bs] * bs + (p % bs), (p.unsqueeze(0) < lens.unsqueeze(1)).view(len(tables), 1, 1, max_ctx)
+        return bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs)
 
     @torch.inference_mode()
     def draft_decode(self, seqs: list[Sequence], tokens: list[int], positions: list[int],
@@ -120,7 +120,7 @@ class ModelRunner:
         bs = self.block_size
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
-        meta.decode_slots, meta.decode_mask = self._decode_gather([s.block_table for s in seqs],
+        meta.decode_blocks, meta.decode_mask = self._decode_gather([s.block_table for s in seqs],
                                                                   [p + 1 for p in positions])
         hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=self.device),
                             torch.tensor(positions, dtype=torch.long, device=self.device),
