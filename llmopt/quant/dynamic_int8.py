@@ -38,11 +38,7 @@ class Int8DynamicActivationLinear(_QuantLinear):
         s = qw.scheme
         if s.kind != "int" or s.bits != 8 or not s.symmetric or qw.n_groups != 1:
             raise LlmoptError(f"W8A8 needs symmetric per-channel int8 weights, got {s.describe()}")
-        dev = torch.device(device) if device is not None else qw.q.device
-        qw = qw.to(dev)
-        m = cls(qw.in_features, qw.out_features, None if bias is None else bias.to(dev),
-                compute_dtype if compute_dtype is not None else torch.bfloat16)
-        m._device_type = dev.type
+        m, qw = cls._create(qw, bias, compute_dtype, device)
         # signed codes, transposed once: _int_mm wants [K, N] for the right operand
         m.register_buffer("weight_t", (qw.q.to(torch.int16) - 128).to(torch.int8).t().contiguous())
         m.register_buffer("weight_scale", qw.scale[:, 0].float().contiguous())

@@ -50,6 +50,11 @@ def _device(qw: QuantizedWeight, device: torch.device | str | None) -> torch.dev
     return torch.device(device) if device is not None else qw.q.device
 
 
+def _compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype:
+    """bf16 unless asked otherwise: the int4 kernels want it (CUDA requires it, CPU is fastest)."""
+    return compute_dtype if compute_dtype is not None else torch.bfloat16
+
+
 class _QuantLinear(nn.Module):
     """Shared plumbing: shapes, bias, dtype casts, memory accounting."""
 
@@ -69,6 +74,17 @@ class _QuantLinear(nn.Module):
         else:
             self.bias = None
         self._device_type = "cpu"
+
+    @classmethod
+    def _create(cls, qw: QuantizedWeight, bias: torch.Tensor | None, compute_dtype: torch.dtype | None,
+                device: torch.device | str | None):
+        """An empty module of qw's shape on `device` (default: qw's), and qw moved there."""
+        dev = _device(qw, device)
+        qw = qw.to(dev)
+        m = cls(qw.in_features, qw.out_features, None if bias is None else bias.to(dev),
+                _compute_dtype(compute_dtype))
+        m._device_type = dev.type
+        return m, qw
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -124,11 +140,6 @@ class _QuantLinear(nn.Module):
         raise LlmoptError(f"{type(self).__name__} has no kernel path")
 
 
-def _compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype:
-    """bf16 unless asked otherwise: the int4 kernels want it (CUDA requires it, CPU is fastest)."""
-    return compute_dtype if compute_dtype is not None else torch.bfloat16
-
-
 class Int4WeightOnlyLinear(_QuantLinear):
     """Grouped int4 weights (sym or asym) on the tinygemm int4 kernels; see module doc."""
 
@@ -142,15 +153,7 @@ class Int4WeightOnlyLinear(_QuantLinear):
     ) -> Int4WeightOnlyLinear:
         if qw.scheme.kind != "int" or qw.scheme.bits != 4:
             raise LlmoptError(f"Int4WeightOnlyLinear needs an int4 weight, got {qw.scheme.describe()}")
-        dev = _device(qw, device)
-        qw = qw.to(dev)
-        m = cls(
-            qw.in_features,
-            qw.out_features,
-            None if bias is None else bias.to(dev),
-            _compute_dtype(compute_dtype),
-        )
-        m._device_type = dev.type
+        m, qw = cls._create(qw, bias, compute_dtype, device)
         m.group_size = qw.group_size
         m._build(qw)
         return m
@@ -254,15 +257,7 @@ class Int8WeightOnlyLinear(_QuantLinear):
     ) -> Int8WeightOnlyLinear:
         if qw.scheme.kind != "int" or qw.scheme.bits != 8:
             raise LlmoptError(f"Int8WeightOnlyLinear needs an int8 weight, got {qw.scheme.describe()}")
-        dev = _device(qw, device)
-        qw = qw.to(dev)
-        m = cls(
-            qw.in_features,
-            qw.out_features,
-            None if bias is None else bias.to(dev),
-            _compute_dtype(compute_dtype),
-        )
-        m._device_type = dev.type
+        m, qw = cls._create(qw, bias, compute_dtype, device)
         m._build(qw)
         return m
 
@@ -330,21 +325,13 @@ class Fp8WeightOnlyLinear(_QuantLinear):
     ) -> Fp8WeightOnlyLinear:
         if qw.scheme.kind != "fp8":
             raise LlmoptError(f"Fp8WeightOnlyLinear needs an fp8 weight, got {qw.scheme.describe()}")
-        dev = _device(qw, device)
-        qw = qw.to(dev)
-        m = cls(
-            qw.in_features,
-            qw.out_features,
-            None if bias is None else bias.to(dev),
-            _compute_dtype(compute_dtype),
-        )
-        m._device_type = dev.type
+        m, qw = cls._create(qw, bias, compute_dtype, device)
         m.register_buffer("weight", qw.q.contiguous())
         m.register_buffer("scale", qw.scale.float().reshape(-1))
         m.mode = "dequant"
         if activation_fp8:
             m.mode = "scaled_mm"
-            if dev.type != "cpu" and not m._self_check_fp8(qw):
+            if m._device_type != "cpu" and not m._self_check_fp8(qw):
                 m.mode = "dequant"
         return m
 
