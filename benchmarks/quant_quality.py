@@ -116,6 +116,11 @@ def main() -> None:
         ("W4A16 g64 GPTQ", "w4a16-gptq", {"scheme": "w4a16", "group_size": 64, "method": "gptq", **calib}),
         ("W4A16 g64 GPTQ act-order", "w4a16-gptq-act", {"scheme": "w4a16", "group_size": 64, "method": "gptq",
                                                          "act_order": True, **calib}),
+        ("W4A16 g64 GPTQ act-order dynamic-groups", "w4a16-gptq-act-dyn",
+         {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, "static_groups": False,
+          **calib}),
+        ("W4A16 g64 GPTQ act-order mse", "w4a16-gptq-act-mse",
+         {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, "mse": True, **calib}),
         ("W4A16 g64 AWQ", "w4a16-awq", {"scheme": "w4a16", "group_size": 64, "method": "awq", **calib}),
     ]
     if args.extra_calib is not None:

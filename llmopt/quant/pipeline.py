@@ -84,7 +84,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     t0 = time.perf_counter()
     windows, calib = _calibration(cfg, resolved, directory, tokenizer, console)
     sample_s = time.perf_counter() - t0
-    opts = SequentialOptions(method=cfg.method, act_order=cfg.act_order, damp=cfg.damp, block_size=cfg.block_size,
+    opts = SequentialOptions(method=cfg.method, act_order=cfg.act_order, static_groups=cfg.static_groups,
+                             mse=cfg.mse, damp=cfg.damp, block_size=cfg.block_size,
                              smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=DTYPES[cfg.forward_dtype],
                              batch_tokens=cfg.batch_tokens)
     runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None)

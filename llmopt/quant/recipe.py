@@ -76,6 +76,8 @@ class QuantizeConfig(BaseModel):
     group_size: int | None = None  # None: the preset default (w4a16: 128, or 64/32 when 128 does not divide)
     symmetric: bool = True
     act_order: bool = False
+    static_groups: bool = True  # act-order: fix group scales before the error feedback (identity g_idx)
+    mse: bool = False  # GPTQ: choose each group's range by shrink-grid MSE search instead of min/max
     calib: Path | None = None
     calib_data: list[str] = []
     num_samples: int = Field(128, ge=1)
@@ -124,6 +126,8 @@ class QuantizeConfig(BaseModel):
             raise ValueError("w8a8 uses SmoothQuant for activation outliers; use --method rtn or gptq")
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order applies to --method gptq only")
+        if self.mse and self.method != "gptq":
+            raise ValueError("--mse applies to --method gptq only")
         if self.calib is not None and self.calib_data:
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
         if self.format == "gptq":

@@ -60,6 +60,8 @@ _PRODUCERS = {
 class SequentialOptions:
     method: str = "rtn"  # rtn | gptq | awq
     act_order: bool = False
+    static_groups: bool = True
+    mse: bool = False
     damp: float = 0.01
     block_size: int = 128
     smoothquant_alpha: float = 0.5
@@ -242,7 +244,9 @@ class SequentialQuantizer:
         elif self.opt.method == "gptq" and cap is not None and cap.hessian is not None:
             method = "gptq"
             qw, loss = gptq_quantize(w, cap.hessian.H, ws, damp=self.opt.damp, block_size=self.opt.block_size,
-                                     act_order=self.opt.act_order, static_groups=self.opt.act_order)
+                                     act_order=self.opt.act_order,
+                                     static_groups=self.opt.act_order and self.opt.static_groups,
+                                     mse_observer=self.opt.mse)
         elif self.opt.method == "awq" and cap is not None and not scheme.int8_activations:
             method = "awq"
             max_val = awq_search_clip(cap.sample().to(w.device), w, ws)

@@ -197,14 +197,8 @@ class OpenAIServing:
             ids_list.append(ids)
         params = [self._params(req, len(ids), req.max_tokens, req.logprobs) for ids in ids_list]
         job = self._start("cmpl", ids_list, params, req.n, priority, arrival)
-        if req.stream:
-            return _ClosingStream(self._stream_completion(job, req, probe), job.close)
-        try:
-            await self._collect(job, http)
-            self._remember(probe, job)
-            return JSONResponse(self._completion_body(job, req))
-        finally:
-            job.close()
+        return await self._respond(job, req.stream, probe, http, lambda: self._stream_completion(job, req, probe),
+                                   lambda: self._completion_body(job, req))
 
     async def chat(self, req: ChatCompletionRequest, key: str | None, http: Request) -> Response:
         arrival = time.perf_counter()
@@ -223,12 +217,18 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = [self._params(req, len(ids), req.requested_max_tokens(), top)]
         job = self._start("chatcmpl", [ids], params, req.n, priority, arrival)
-        if req.stream:
-            return _ClosingStream(self._stream_chat(job, req, probe), job.close)
+        return await self._respond(job, req.stream, probe, http, lambda: self._stream_chat(job, req, probe),
+                                   lambda: self._chat_body(job, req))
+
+    async def _respond(self, job: Job, stream: bool, probe: Probe | None, http: Request,
+                       chunks: Callable[[], AsyncIterator[str]], body: Callable[[], dict[str, Any]]) -> Response:
+        """Stream the job's chunks, or wait for it and answer with one JSON body; the job always closes."""
+        if stream:
+            return _ClosingStream(chunks(), job.close)
         try:
             await self._collect(job, http)
             self._remember(probe, job)
-            return JSONResponse(self._chat_body(job, req))
+            return JSONResponse(body())
         finally:
             job.close()
 
