@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from llmopt import LLM, SamplingParams
+from llmopt.engine.scoring import iter_logits
 from llmopt.engine.spec_decode import SpeculativeConfig, ngram_propose
+from llmopt.errors import LlmoptError
+from llmopt.quant.pipeline import quantize_model
+from llmopt.quant.recipe import QuantizeConfig
+from llmopt.testing.tiny_model import write_tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "max_batch_size": 512, "disable_below_acceptance": 0.0}
@@ -140,6 +145,91 @@ def test_layer_skip_self_draft_greedy_identity(tiny_llama):
                                                              "max_batch_size": 64})
     assert [o.outputs[0].token_ids for o in full.generate(prompts, params)] == ref
     assert full.engine.spec_counters.acceptance_rate > 0.95
+
+
+def _draft_spec(draft, **kw) -> dict:
+    return {"method": "draft", "draft_model": str(draft), "draft_dtype": "float32", "num_speculative_tokens": 4,
+            "max_batch_size": 64, "disable_below_acceptance": 0.0, **kw}
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, tiny_llama):
+    """A W4A16 (RTN, group 32) copy of the target: it agrees with the target often, not always."""
+    out = tmp_path_factory.mktemp("draft") / "w4"
+    quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w4a16", group_size=32, output=out, device="cpu"))
+    return out
+
+
+def test_draft_model_that_is_the_target_is_always_accepted(tiny_llama):
+    """The target as its own draft: every draft must be accepted, which checks the draft pool's
+    catch-up prefill, its mirrored block tables and the positions of the single-token steps."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = _repetitive_prompts(4) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
+    ref = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, params)]
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=_draft_spec(tiny_llama))
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    c = spec.engine.spec_counters
+    assert c.num_draft_tokens > 0 and c.acceptance_rate > 0.95
+
+
+def test_draft_model_rejections_roll_back_and_preemption_recomputes(tiny_llama, other_draft):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _repetitive_prompts(6) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
+    ref = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, params)]
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=_draft_spec(other_draft))
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    c = spec.engine.spec_counters
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens < c.num_draft_tokens
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    # a pool of 12 blocks for 7 sequences of up to 70 tokens forces preemption and recompute
+    tight = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=12, speculative=_draft_spec(tiny_llama))
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == ref
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.spec_counters.acceptance_rate > 0.95  # the draft's cache was rebuilt, not stale
+
+
+def _reference_counts(target: LLM, draft: LLM, prompt: list[int], max_tokens: int, k: int) -> tuple[int, int]:
+    """Speculation without any cache reuse: each round the draft generates from the full context and
+    the target scores context + drafts from scratch. Returns (draft tokens, accepted tokens)."""
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    # the first token comes from the prefill step, which never speculates
+    toks, drafted, accepted = list(prompt) + target.generate([prompt], greedy)[0].outputs[0].token_ids, 0, 0
+    while len(toks) - len(prompt) < max_tokens:
+        kk = min(k, max_tokens - (len(toks) - len(prompt)) - 1)
+        if kk <= 0:
+            toks += target.generate([toks], greedy)[0].outputs[0].token_ids
+            continue
+        drafts = draft.generate([toks], greedy.model_copy(update={"max_tokens": kk}))[0].outputs[0].token_ids
+        logits = dict(iter_logits(target.engine, [toks + drafts]))[0]
+        want = logits[len(toks) - 1:].argmax(dim=-1).tolist()
+        n = next((i for i, d in enumerate(drafts) if d != want[i]), len(drafts))
+        drafted, accepted = drafted + len(drafts), accepted + n
+        toks += drafts[:n] + [want[n]]
+    return drafted, accepted
+
+
+def test_draft_model_cache_matches_a_from_scratch_reference(tiny_llama, other_draft):
+    """The draft's own pool after rejections must hold exactly what a fresh draft would compute:
+    the engine's draft and acceptance counts equal those of a cache-free reference."""
+    prompt = _repetitive_prompts(1)[0]
+    spec = LLM(str(tiny_llama), dtype="float32", speculative=_draft_spec(other_draft))
+    spec.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    c = spec.engine.spec_counters
+    ref = _reference_counts(LLM(str(tiny_llama), dtype="float32"), LLM(str(other_draft), dtype="float32"),
+                            prompt, 24, 4)
+    assert (c.num_draft_tokens, c.num_accepted_tokens) == ref
+    assert 0 < ref[1] < ref[0]
+
+
+def test_draft_model_errors(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="needs draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="only used by method 'draft'"):
+        SpeculativeConfig(method="ngram", draft_model="x")
+    big_vocab = write_tiny_llama(tmp_path / "v", tokenizer_vocab_size=300)
+    with pytest.raises(LlmoptError, match="same tokenizer"):
+        LLM(str(tiny_llama), dtype="float32", speculative=_draft_spec(big_vocab))
 
 
 def test_bench_speculation_scenario_reports_acceptance(tiny_llama, tmp_path):

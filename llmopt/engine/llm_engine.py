@@ -98,6 +98,12 @@ class LLMEngine:
         kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         per_block = PagedKVCache.bytes_per_block(s.num_layers, config.block_size, s.num_kv_heads, s.head_dim,
                                                  self.dtype, kv_dtype)
+        self.spec_config: SpeculativeConfig | None = config.speculative
+        draft = self._load_draft() if self.spec_config and self.spec_config.method == "draft" else None
+        if draft is not None:  # the draft's pool mirrors the target's block for block
+            ds, ddtype = draft[0].spec, draft[1]
+            per_block += PagedKVCache.bytes_per_block(ds.num_layers, config.block_size, ds.num_kv_heads, ds.head_dim,
+                                                      ddtype)
         self.num_blocks = self._num_blocks(per_block)
         self.kv_cache = PagedKVCache(s.num_layers, self.num_blocks, config.block_size, s.num_kv_heads,
                                      s.head_dim, self.dtype, self.device, kv_dtype)
@@ -110,7 +116,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
-        self.spec_config: SpeculativeConfig | None = config.speculative
+        self.draft_runner: ModelRunner | None = None
+        if draft is not None:
+            dmodel, ddtype = draft[2], draft[1]
+            dcache = PagedKVCache(draft[0].spec.num_layers, self.num_blocks, config.block_size,
+                                  draft[0].spec.num_kv_heads, draft[0].spec.head_dim, ddtype, self.device)
+            self.draft_runner = ModelRunner(dmodel, dcache, config.block_size, self.device)
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
         self.spec_counters = SpecCounters(self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self.requests: dict[str, _Request] = {}
@@ -121,6 +132,21 @@ class LLMEngine:
         self._last_preemptions = 0
         self._last_spec = (0, 0, 0)
         self._next_id = 0
+
+    def _load_draft(self):
+        """(resolved, dtype, model) of the separate draft model; it must share the target's vocabulary."""
+        sc = self.spec_config
+        resolved = resolve_model(sc.draft_model)
+        if resolved.spec.vocab_size != self.spec.vocab_size:
+            raise LlmoptError(f"draft model {sc.draft_model!r} has a vocabulary of {resolved.spec.vocab_size} tokens, "
+                              f"the target {self.spec.vocab_size}: speculative decoding needs the same tokenizer")
+        dtype = parse_dtype(sc.draft_dtype, resolved.spec.dtype)
+        if self.device.type == "cpu" and dtype == torch.float16 and sc.draft_dtype == "auto":
+            dtype = torch.float32
+        dtok = load_tokenizer(weights_dir(resolved))
+        if dtok.get_vocab() != self.tokenizer.get_vocab():
+            raise LlmoptError(f"draft model {sc.draft_model!r} does not use the target's tokenizer")
+        return resolved, dtype, load_model(resolved, dtype, self.device)
 
     def _num_blocks(self, per_block: int) -> int:
         c = self.config
@@ -221,8 +247,8 @@ class LLMEngine:
             for seq in self.scheduler.running:
                 if seq.spec_tokens and seq.seq_id not in scheduled_ids:
                     seq.spec_tokens = []
-            if self.spec_config.method == "layer_skip":
-                self._run_self_draft(sched.scheduled)
+            if self.spec_config.method in ("layer_skip", "draft"):
+                self._run_draft(sched.scheduled)
         t1 = time.perf_counter()
         outputs = self._pending
         self._pending = []
@@ -278,19 +304,33 @@ class LLMEngine:
                 continue
             if spec.method == "ngram":
                 seq.spec_tokens = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            else:  # layer_skip: reserve k slots now; the draft fills them after scheduling
+            else:  # layer_skip / draft: reserve k slots now; the draft fills them after scheduling
                 seq.spec_tokens = [0] * k
 
-    def _run_self_draft(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        """Fill reserved draft slots with the early-exit self-draft's greedy tokens, k passes batched."""
+    def _run_draft(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Fill reserved draft slots with greedy tokens of the self-draft (`layer_skip`) or the separate
+        draft model (`draft`), k passes batched across the speculating sequences."""
         seqs = [s for s, _ in scheduled if s.spec_tokens]
-        layers = self.spec_config.draft_layers or max(1, self.spec.num_layers // 2)
-        for j in range(max((len(s.spec_tokens) for s in seqs), default=0)):
+        if not seqs:
+            return
+        if self.spec_config.method == "layer_skip":
+            runner, layers = self.runner, self.spec_config.draft_layers or max(1, self.spec.num_layers // 2)
+        else:
+            runner, layers = self.draft_runner, None
+        for j in range(max(len(s.spec_tokens) for s in seqs)):
             active = [s for s in seqs if len(s.spec_tokens) > j]
-            tokens = [s.token_ids[-1] if j == 0 else s.spec_tokens[j - 1] for s in active]
-            positions = [s.num_tokens - 1 + j for s in active]
-            for s, t in zip(active, self.runner.draft_decode(active, tokens, positions, layers), strict=True):
+            items = []
+            for s in active:
+                if j > 0:
+                    items.append((s.block_table, s.num_tokens - 1 + j, [s.spec_tokens[j - 1]]))
+                else:  # the separate draft first catches up on the tokens it has not cached
+                    start = s.num_tokens - 1 if layers is not None else min(s.draft_computed, s.num_tokens - 1)
+                    items.append((s.block_table, start, s.token_ids[start:]))
+            for s, t in zip(active, runner.greedy_next(items, layers), strict=True):
                 s.spec_tokens[j] = t
+        if layers is None:
+            for s in seqs:  # positions written: the context, then drafts 1..k-1
+                s.draft_computed = s.num_tokens - 1 + len(s.spec_tokens)
 
     def _accept_drafts(self, seq: Sequence, logits: torch.Tensor, now: float) -> int:
         """Verify a speculating sequence's drafts; append what is accepted plus the target's token.
@@ -321,6 +361,8 @@ class LLMEngine:
                 return appended
             if j < accepted:
                 seq.num_computed_tokens += 1  # an accepted draft: its K/V was computed in this pass
+        # the draft model's cache holds the accepted drafts; what follows is recomputed next round
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
         self.block_manager.commit_full_blocks(seq)
         return appended
 

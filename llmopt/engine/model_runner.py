@@ -112,20 +112,49 @@ class ModelRunner:
         return bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs)
 
     @torch.inference_mode()
-    def draft_decode(self, seqs: list[Sequence], tokens: list[int], positions: list[int],
-                     num_layers: int) -> list[int]:
-        """One greedy step of the layer-skip self-draft: the first `num_layers` layers plus the final
-        norm and head, one token per sequence at `positions`. It writes those layers' K/V into the
-        shared pool; the target's verification pass overwrites the same slots with identical values."""
-        bs = self.block_size
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
-        meta.decode_blocks, meta.decode_mask = self._decode_gather([s.block_table for s in seqs],
-                                                                  [p + 1 for p in positions])
-        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device),
-                            self.cache, meta, num_layers=num_layers)
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+    def greedy_next(self, items: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> list[int]:
+        """Draft proposals: for each (block_table, start, tokens), run `tokens` at positions start.. over
+        the cached context before `start`, write their K/V, and return the argmax after the last one.
+
+        Single tokens go through the batched decode path, longer runs (a draft model catching up on
+        context it has not seen) as prefill chunks. `num_layers` runs only the first layers plus the
+        final norm and head (the layer-skip self-draft, which shares the target's pool: the target's
+        verification pass later overwrites those layers' slots with identical values)."""
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        chunks: list[PrefillChunk] = []
+        order = [i for i, it in enumerate(items) if len(it[2]) > 1] + [i for i, it in enumerate(items) if len(it[2]) == 1]
+        tables, ctx_lens = [], []
+        for i in order:
+            table, start, toks = items[i]
+            end = start + len(toks)
+            ids.extend(toks)
+            pos.extend(range(start, end))
+            slots.extend(self._slots(table, start, end))
+            rows.append(len(ids) - 1)
+            if len(toks) > 1:
+                ctx = torch.tensor(self._slots(table, 0, end), dtype=torch.long, device=dev)
+                mask = None
+                if start > 0:
+                    mask = torch.arange(end, device=dev).unsqueeze(0) <= torch.arange(start, end, device=dev).unsqueeze(1)
+                chunks.append(PrefillChunk(len(toks), end, ctx, mask))
+            else:
+                tables.append(table)
+                ctx_lens.append(end)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=chunks,
+                                 num_prefill_tokens=sum(c.q_len for c in chunks))
+        if tables:
+            meta.decode_blocks, meta.decode_mask = self._decode_gather(tables, ctx_lens)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long,
+                            device=dev), self.cache, meta, num_layers=num_layers)
+        picked = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).argmax(dim=-1).tolist()
+        out = [0] * len(items)
+        for i, t in zip(order, picked, strict=True):
+            out[i] = t
+        return out
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:

@@ -12,9 +12,16 @@ else in the step); `verify` keeps the longest acceptable prefix plus one token f
 
 KV slots written for rejected drafts are simply not counted as computed (`num_computed_tokens` only
 advances over accepted tokens), so they are overwritten later and never enter the prefix cache.
-Two proposers: `ngram` (prompt lookup, no extra model) and `layer_skip`, a self-draft made of the
-target's first layers plus its final norm and head. The self-draft shares the target's paged KV pool:
-its K/V for those layers equal the target's, so it needs no cache of its own and no catch-up.
+Three proposers, all greedy (so q is one-hot on the draft and the rejection rule above stays exact):
+- `ngram`: prompt lookup, no extra model.
+- `layer_skip`: a self-draft made of the target's first layers plus its final norm and head. It shares
+  the target's paged KV pool: its K/V for those layers equal the target's, so it needs no cache of its
+  own and no catch-up.
+- `draft`: a separate model with the same tokenizer (for example a W4A16 copy of the target from
+  `llmopt quantize`), with its own paged KV pool that mirrors the target's block tables. Each sequence
+  records how many of its tokens the draft has cached (`draft_computed`); a round first catches the
+  draft up on the tokens it has not seen (a prefill chunk), then runs k - 1 single-token steps. Only
+  the draft positions the target accepts stay counted, so rejected ones are recomputed next round.
 
 Speculation is skipped per request when its running acceptance rate falls below a threshold, and for
 the whole step when the batch is large enough that verification costs more than it saves.
@@ -26,7 +33,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.engine.sampler import processed_probs
 from llmopt.engine.sampling_params import SamplingParams
@@ -35,8 +42,11 @@ from llmopt.engine.sampling_params import SamplingParams
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram", "layer_skip"] = "ngram"
+    method: Literal["ngram", "layer_skip", "draft"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # draft: the draft model (alias, HF dir, .gguf or an llmopt-quantized checkpoint) and its dtype
+    draft_model: str | None = None
+    draft_dtype: str = "auto"
     # layer_skip: the target's first `draft_layers` layers + its head draft greedily (default: half)
     draft_layers: int | None = Field(None, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)
@@ -47,6 +57,14 @@ class SpeculativeConfig(BaseModel):
     disable_min_drafts: int = Field(16, ge=1)
     # no speculation in steps with more running sequences than this (verification would cost more)
     max_batch_size: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _draft(self) -> SpeculativeConfig:
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (a model with the target's tokenizer)")
+        if self.draft_model and self.method != "draft":
+            raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
+        return self
 
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

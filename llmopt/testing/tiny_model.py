@@ -63,6 +63,7 @@ def write_tiny_llama(
     max_position_embeddings: int = 1024,
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer_vocab_size: int = 512,
 ) -> Path:
     """Create a random-weight model directory that both transformers and llmopt load."""
     import torch
@@ -70,7 +71,7 @@ def write_tiny_llama(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    tok = build_tokenizer(tokenizer_vocab_size)
     cfg: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
