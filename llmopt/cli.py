@@ -243,9 +243,12 @@ def serve(
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
-    speculative: Optional[str] = typer.Option(None, help="Speculative decoding: ngram (prompt lookup) or "
-                                              "layer_skip (self-draft); turned off while degraded."),
+    speculative: Optional[str] = typer.Option(None, help="Speculative decoding: ngram (prompt lookup), "
+                                              "layer_skip (self-draft) or draft (--draft-model); turned off "
+                                              "while degraded."),
     num_speculative_tokens: int = typer.Option(4, min=1, max=16, help="Draft tokens per step (k)."),
+    draft_model: Optional[str] = typer.Option(None, help="--speculative draft: the draft model (same tokenizer), "
+                                              "e.g. a W4A16 copy of MODEL from llmopt quantize."),
     api_key: list[str] = typer.Option([], "--api-key", help="Require 'Authorization: Bearer KEY' (repeatable)."),
     api_key_priority: list[str] = typer.Option(
         [], "--api-key-priority", help="KEY=PRIO: the key's priority class, default and ceiling (repeatable)."),
@@ -304,7 +307,7 @@ def serve(
     engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                  kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                  enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
-                                 speculative=({"method": speculative, "num_speculative_tokens": num_speculative_tokens}
+                                 speculative=(_speculative(speculative, num_speculative_tokens, draft_model)
                                               if speculative else None),
                                  **sizes)
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_keys=api_key,
@@ -478,6 +481,13 @@ def recipe_schema() -> None:
     from llmopt.recipe.command import schema_text
 
     sys.stdout.write(schema_text())
+
+
+def _speculative(method: str, k: int, draft_model: str | None) -> dict:
+    spec: dict = {"method": method, "num_speculative_tokens": k}
+    if draft_model:
+        spec["draft_model"] = draft_model
+    return spec
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from llmopt.cli import main
 from llmopt.models.resolve import resolve_model
 from llmopt.planning.vram import VramPlanOptions, plan_vram
 from llmopt.serve.vllm_handoff import VllmOptions, build_vllm_command
+from llmopt.testing.tiny_model import write_tiny_llama
 
 LLAMA_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -115,3 +116,14 @@ def test_cli_bad_model_and_bad_key_priority_are_one_line_errors(tiny_llama, monk
     code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--api-key", "k",
                            "--api-key-priority", "k:3")
     assert code == 2 and "KEY=PRIO" in err
+
+
+def test_cli_speculative_draft_needs_a_compatible_draft_model(tiny_llama, monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--speculative", "draft")
+    assert code == 2 and "needs draft_model" in err and len(err.strip().splitlines()) == 1
+    other = write_tiny_llama(tmp_path / "other-tokenizer", tokenizer_vocab_size=300)
+    capsys.readouterr()
+    code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--speculative", "draft",
+                           "--draft-model", str(other), "--port", "0")
+    # the server is up when the engine fails to load; it exits 2 with the reason as its last line
+    assert code == 2 and "needs the same tokenizer" in err.strip().splitlines()[-1]
