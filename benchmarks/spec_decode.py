@@ -1,8 +1,10 @@
 """Speculative decoding, measured side by side in one run: single-stream decode with and without
-speculation (n-gram prompt lookup or the layer-skip self-draft), on input-grounded prompts and on
-open-ended chat prompts.
+speculation (n-gram prompt lookup, the layer-skip self-draft or a separate draft model such as a
+W4A16 copy of the target), on input-grounded prompts and on open-ended chat prompts.
 
-    python benchmarks/spec_decode.py --dtype bfloat16 [--method ngram|layer_skip] [--k 4] [--max-tokens 128]
+    python benchmarks/spec_decode.py --dtype bfloat16 [--method ngram|layer_skip|draft] [--k 4] [--max-tokens 128]
+    llmopt quantize smollm2-135m --scheme w4a16 --group-size 64 -o /tmp/smollm2-w4
+    python benchmarks/spec_decode.py --dtype bfloat16 --method draft --draft-model /tmp/smollm2-w4
 
 Outputs are greedy, so they must be identical; the script checks it.
 """
@@ -59,8 +61,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--method", default="ngram", choices=["ngram", "layer_skip"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "layer_skip", "draft"])
     ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip: layers in the self-draft")
+    ap.add_argument("--draft-model", default=None, help="draft: the draft model (same tokenizer)")
+    ap.add_argument("--draft-dtype", default="auto", help="draft: its dtype (a W4A16 checkpoint computes in bf16)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -68,9 +72,11 @@ def main() -> None:
     spec_cfg = {"method": args.method, "num_speculative_tokens": args.k}
     if args.draft_layers:
         spec_cfg["draft_layers"] = args.draft_layers
+    if args.draft_model:
+        spec_cfg.update(draft_model=args.draft_model, draft_dtype=args.draft_dtype)
     spec = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, speculative=spec_cfg)
     results = {"model": args.model, "dtype": args.dtype, "method": args.method, "k": args.k,
-               "draft_layers": args.draft_layers, "max_tokens": args.max_tokens}
+               "draft_layers": args.draft_layers, "draft_model": args.draft_model, "max_tokens": args.max_tokens}
     for name, prompts in (("grounded", GROUNDED), ("open_ended", OPEN_ENDED)):
         run(plain, prompts[:1], 8)  # warm-up
         run(spec, prompts[:1], 8)
