@@ -118,7 +118,7 @@ def main() -> None:
                                                          "act_order": True, **calib}),
         ("W4A16 g64 GPTQ act-order dynamic-groups", "w4a16-gptq-act-dyn",
          {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, "static_groups": False,
-          **calib}),
+          "format": "gptq", **calib}),
         ("W4A16 g64 GPTQ act-order mse", "w4a16-gptq-act-mse",
          {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, "mse": True, **calib}),
         ("W4A16 g64 AWQ", "w4a16-awq", {"scheme": "w4a16", "group_size": 64, "method": "awq", **calib}),

@@ -357,8 +357,11 @@ def quantize(
     group_size: Optional[int] = typer.Option(None, help="Columns per scale; -1 per channel. Default: w4a16 128 "
                                              "(64 or 32 when 128 does not divide the model), others per channel."),
     sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (no zero points) or asymmetric int weights."),
-    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: columns by decreasing activation energy "
-                                   "(static groups)."),
+    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: columns by decreasing activation energy."),
+    static_groups: bool = typer.Option(True, "--static-groups/--no-static-groups",
+                                       help="--act-order: fix group scales up front (identity g_idx); without "
+                                       "them the checkpoint has a g_idx (needs --format gptq)."),
+    mse: bool = typer.Option(False, "--mse", help="GPTQ: pick each group's range by MSE shrink search."),
     calib: Optional[str] = typer.Option(None, "--calib", help="CALIB_DIR from `llmopt calibrate`."),
     calib_data: list[str] = typer.Option([], "--calib-data", help="PATH[:WEIGHT] to sample calibration data from."),
     num_samples: int = typer.Option(128, help="Windows for --calib-data."),
@@ -380,7 +383,8 @@ def quantize(
     from llmopt.quant.recipe import QuantizeConfig
 
     cfg = QuantizeConfig(model=model, scheme=scheme, method=method, group_size=group_size, symmetric=sym,
-                         act_order=act_order, calib=Path(calib) if calib else None, calib_data=calib_data,
+                         act_order=act_order, static_groups=static_groups, mse=mse,
+                         calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
                          kv_cache=kv_cache, format=fmt, output=Path(output), overwrite=overwrite, device=device)
     report = quantize_model(cfg, err_console)

@@ -46,6 +46,9 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "w4a16", "--override", "v_proj=w8a16"], "must share a scheme"),
     (["--scheme", "w4a16", "--method", "gptq"], "needs calibration data"),
     (["--scheme", "fp8", "--format", "gptq"], "gptq format"),
+    (["--scheme", "w4a16", "--method", "gptq", "--act-order", "--no-static-groups", "--calib-data", "x.txt"],
+     "needs --format gptq"),
+    (["--scheme", "w4a16", "--mse"], "--mse applies to --method gptq only"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_llama, tmp_path, monkeypatch, capsys, args, msg):
     out = tmp_path / "q"

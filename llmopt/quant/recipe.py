@@ -126,6 +126,9 @@ class QuantizeConfig(BaseModel):
             raise ValueError("w8a8 uses SmoothQuant for activation outliers; use --method rtn or gptq")
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order applies to --method gptq only")
+        if self.act_order and not self.static_groups and self.format == "compressed-tensors":
+            raise ValueError("act-order without static groups needs --format gptq (compressed-tensors no longer "
+                             "reads a group index)")
         if self.mse and self.method != "gptq":
             raise ValueError("--mse applies to --method gptq only")
         if self.calib is not None and self.calib_data:

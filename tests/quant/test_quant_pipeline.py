@@ -126,3 +126,21 @@ def test_overwrite_replaces_a_previous_output(tiny_llama, tmp_path, monkeypatch)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
         "weights"]["num_bits"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_act_order_with_a_group_index_and_mse_ranges_round_trip(tiny_llama, tmp_path, monkeypatch, reference):
+    """--act-order --no-static-groups writes a GPTQ checkpoint with a real g_idx, and --mse picks
+    shrunk group ranges; both load back and stay close to the float model."""
+    common = {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True, **calib_options()}
+    dyn, modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "dyn", static_groups=False, format="gptq",
+                                 **common)
+    assert any(m.qw.is_act_order for m in modules.values())
+    cfg = json.loads((tmp_path / "dyn" / "config.json").read_text())["quantization_config"]
+    assert cfg["desc_act"] is True
+    _, mse_modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "mse", mse=True, **common)
+    assert all(m.method == "gptq" for m in mse_modules.values())
+    seqs = [list(s) for s in _heldout(tiny_llama)]
+    rtn, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "rtn", scheme="w4a16", group_size=32)
+    e_rtn = _logit_error(tmp_path / "rtn", reference, seqs)
+    for name in ("dyn", "mse"):
+        assert _logit_error(tmp_path / name, reference, seqs) < e_rtn, name
