@@ -249,3 +249,10 @@ def test_bench_speculation_scenario_reports_acceptance(tiny_llama, tmp_path):
     off, on = (v["report"]["runs"][0]["server_metrics"] for v in rep["variants"])
     assert off["spec_decode_draft_tokens"] is None
     assert on["spec_decode_draft_tokens"] > 0 and 0 <= on["spec_decode_acceptance_rate"] <= 1
+
+
+def test_draft_models_stop_speculating_sooner_by_default():
+    """A draft model costs a forward per draft token, so its default bar for acceptance is higher."""
+    assert SpeculativeConfig(method="ngram").min_acceptance == 0.3
+    assert SpeculativeConfig(method="draft", draft_model="x").min_acceptance == 0.7
+    assert SpeculativeConfig(method="draft", draft_model="x", disable_below_acceptance=0.2).min_acceptance == 0.2

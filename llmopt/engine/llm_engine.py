@@ -349,7 +349,7 @@ class LLMEngine:
         seq.spec_accepted += accepted
         spec = self.spec_config
         if (seq.spec_proposed >= spec.disable_min_drafts
-                and seq.spec_accepted < spec.disable_below_acceptance * seq.spec_proposed):
+                and seq.spec_accepted < spec.min_acceptance * seq.spec_proposed):
             seq.spec_disabled = True
             c.disabled_requests += 1
         seq.num_computed_tokens += 1  # the last real token's K/V is now cached

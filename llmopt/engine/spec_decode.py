@@ -52,11 +52,20 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(5, ge=1)
     # dynamic disable: a request stops speculating once it has proposed at least `disable_min_drafts`
-    # tokens with an acceptance rate below `disable_below_acceptance`
-    disable_below_acceptance: float = Field(0.3, ge=0.0, le=1.0)
+    # tokens with an acceptance rate below `disable_below_acceptance` (default: 0.3, and 0.7 for `draft`,
+    # whose every draft token costs a forward of the draft model: a W4A16 copy of SmolLM2 broke even
+    # at 70% acceptance on CPU, measured in docs/BENCHMARKS.md)
+    disable_below_acceptance: float | None = Field(None, ge=0.0, le=1.0)
     disable_min_drafts: int = Field(16, ge=1)
     # no speculation in steps with more running sequences than this (verification would cost more)
     max_batch_size: int = Field(8, ge=1)
+
+    @property
+    def min_acceptance(self) -> float:
+        """The acceptance rate below which a request stops speculating."""
+        if self.disable_below_acceptance is not None:
+            return self.disable_below_acceptance
+        return 0.7 if self.method == "draft" else 0.3
 
     @model_validator(mode="after")
     def _draft(self) -> SpeculativeConfig:
