@@ -57,6 +57,25 @@ def test_batch_invariance_chunking_prefix_cache_and_preemption(tiny_llama):
     _assert_pool_clean(tiny_pool)
 
 
+def test_decode_groups_split_by_context_length_and_keep_results(tiny_llama):
+    """Decodes are attended in groups of similar context length; a batch spanning 4-400-token prompts
+    runs several groups per step and still gives every request the tokens it gets alone."""
+    base = LLM(str(tiny_llama), dtype="float32")
+    runner = base.engine.runner
+    lens = [400] * 9 + [150] * 9 + [60] * 3
+    groups = runner._decode_groups([[0] * 25] * len(lens), lens)
+    assert [g.size for g in groups] == [9, 12]  # the 3 shortest are too few for a group of their own
+    assert groups[1].blocks.shape == (12, 10) and groups[1].mask.sum() == 9 * 150 + 3 * 60
+    seen: list[int] = []
+    base.engine.stat_listeners.append(lambda s: seen.append(s.batch_size))
+    prompts = (_prompts(base.engine.spec.vocab_size, 10, seed=3, lo=300, hi=400)
+               + _prompts(base.engine.spec.vocab_size, 10, seed=4, lo=4, hi=40))
+    alone = [base.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    seen.clear()
+    assert [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)] == alone
+    assert max(seen) == 20
+
+
 def test_prefix_cache_off_gives_same_tokens_and_no_hits(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", enable_prefix_caching=False)
     prompts = _prompts(llm.engine.spec.vocab_size, 4, seed=2, lo=40, hi=50)

@@ -13,9 +13,11 @@ import torch
 
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
-from llmopt.layers.attention import AttentionMetadata, PrefillChunk
+from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.models.llama import LlamaForCausalLM
+
+MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
 
 
 @dataclass
@@ -46,7 +48,8 @@ class ModelRunner:
         Returns (ids, positions, meta, logit_rows, sample_seqs, spec_rows, n_prefill, n_decode), where
         spec_rows maps each speculating sequence to the rows of all its scored positions."""
         prefills = [(s, n) for s, n in scheduled if n > 1]
-        decodes = [(s, n) for s, n in scheduled if n == 1]
+        # longest context first, so that decode groups of similar lengths are consecutive rows
+        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -94,22 +97,33 @@ class ModelRunner:
                 if c + 1 == seq.num_tokens:
                     logit_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
-            meta.decode_blocks, meta.decode_mask = self._decode_gather(tables, ctx_lens)
+            meta.decode_groups = self._decode_groups(tables, ctx_lens)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes)
 
-    def _decode_gather(self, tables: list[list[int]], ctx_lens: list[int]):
-        """Block tables [B, max_blocks] padded with block 0, and the mask [1, B, 1, max_blocks * block_size]
-        of the positions each sequence attends to."""
+    def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted by decreasing context length) into groups whose shortest context is at
+        least half their longest, so each group's K/V gather pads little; tiny groups join the previous
+        one (a group costs a few kernel launches per layer)."""
+        bounds = [0]
+        for i in range(1, len(ctx_lens)):
+            if 2 * ctx_lens[i] < ctx_lens[bounds[-1]] and i - bounds[-1] >= MIN_DECODE_GROUP:
+                bounds.append(i)
+        if len(bounds) > 1 and len(ctx_lens) - bounds[-1] < MIN_DECODE_GROUP:
+            bounds.pop()
+        bounds.append(len(ctx_lens))
+        return [self._decode_group(tables[a:b], ctx_lens[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def _decode_group(self, tables: list[list[int]], ctx_lens: list[int]) -> DecodeGroup:
         bs, dev = self.block_size, self.device
         max_blocks = -(-max(ctx_lens) // bs)
         bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
                           dtype=torch.long, device=dev)
         p = torch.arange(max_blocks * bs, device=dev)
         lens = torch.tensor(ctx_lens, device=dev)
-        return bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs)
+        return DecodeGroup(len(tables), bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs))
 
     @torch.inference_mode()
     def greedy_next(self, items: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> list[int]:
@@ -126,7 +140,8 @@ class ModelRunner:
         slots: list[int] = []
         rows: list[int] = []
         chunks: list[PrefillChunk] = []
-        order = [i for i, it in enumerate(items) if len(it[2]) > 1] + [i for i, it in enumerate(items) if len(it[2]) == 1]
+        order = ([i for i, it in enumerate(items) if len(it[2]) > 1]
+                 + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
         tables, ctx_lens = [], []
         for i in order:
             table, start, toks = items[i]
@@ -147,7 +162,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=chunks,
                                  num_prefill_tokens=sum(c.q_len for c in chunks))
         if tables:
-            meta.decode_blocks, meta.decode_mask = self._decode_gather(tables, ctx_lens)
+            meta.decode_groups = self._decode_groups(tables, ctx_lens)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long,
                             device=dev), self.cache, meta, num_layers=num_layers)
         picked = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).argmax(dim=-1).tolist()
