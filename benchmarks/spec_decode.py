@@ -40,7 +40,10 @@ OPEN_ENDED = [
 ]
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, int]:
+def run(llm: LLM, prompts: list[str], max_tokens: int,
+        per_prompt: list[tuple[int, float]] | None = None) -> tuple[list[list[int]], float, int]:
+    """Greedy chat completions one at a time; (outputs, decode seconds, decoded tokens), and each
+    prompt's (decoded tokens, decode seconds) appended to `per_prompt`."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tokens: list[list[int]] = []
     decode_time = 0.0
@@ -53,6 +56,8 @@ def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[list[int]],
         if len(ids) > 1:
             decode_time += m.finished_time - m.first_token_time
             n_tokens += len(ids) - 1
+            if per_prompt is not None:
+                per_prompt.append((len(ids) - 1, m.finished_time - m.first_token_time))
     return tokens, decode_time, n_tokens
 
 
@@ -82,8 +87,10 @@ def main() -> None:
         run(spec, prompts[:1], 8)
         c0 = spec.engine.spec_counters
         before = (c0.num_drafts, c0.num_draft_tokens, c0.num_accepted_tokens)
-        t_ref, dt_ref, n_ref = run(plain, prompts, args.max_tokens)
-        t_spec, dt_spec, n_spec = run(spec, prompts, args.max_tokens)
+        pp_ref: list[tuple[int, float]] = []
+        pp_spec: list[tuple[int, float]] = []
+        t_ref, dt_ref, n_ref = run(plain, prompts, args.max_tokens, pp_ref)
+        t_spec, dt_spec, n_spec = run(spec, prompts, args.max_tokens, pp_spec)
         c = spec.engine.spec_counters
         drafts, draft_toks, acc = (c.num_drafts - before[0], c.num_draft_tokens - before[1],
                                    c.num_accepted_tokens - before[2])
@@ -96,6 +103,9 @@ def main() -> None:
             "mean_acceptance_length": 1 + acc / drafts if drafts else 0.0,
             "draft_tokens": draft_toks,
             "output_tokens": n_spec,
+            # zip without strict: a prompt that ends after one token has no decode time on one side
+            "per_prompt_speedup": [round((ns / ds) / (nr / dr), 2)
+                                   for (nr, dr), (ns, ds) in zip(pp_ref, pp_spec, strict=False)],
         }
         print(name, json.dumps(results[name]), flush=True)
     results["accepted_per_position"] = spec.engine.spec_counters.accepted_per_pos
