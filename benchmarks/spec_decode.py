@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-k", type=int, default=None, help="adapt each request's k between 1 and this")
     ap.add_argument("--method", default="ngram", choices=["ngram", "layer_skip", "draft"])
     ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip: layers in the self-draft")
     ap.add_argument("--draft-model", default=None, help="draft: the draft model (same tokenizer)")
@@ -74,13 +75,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     plain = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
-    spec_cfg = {"method": args.method, "num_speculative_tokens": args.k}
+    spec_cfg = {"method": args.method, "num_speculative_tokens": args.k, "max_speculative_tokens": args.max_k}
     if args.draft_layers:
         spec_cfg["draft_layers"] = args.draft_layers
     if args.draft_model:
         spec_cfg.update(draft_model=args.draft_model, draft_dtype=args.draft_dtype)
     spec = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, speculative=spec_cfg)
-    results = {"model": args.model, "dtype": args.dtype, "method": args.method, "k": args.k,
+    results = {"model": args.model, "dtype": args.dtype, "method": args.method, "k": args.k, "max_k": args.max_k,
                "draft_layers": args.draft_layers, "draft_model": args.draft_model, "max_tokens": args.max_tokens}
     for name, prompts in (("grounded", GROUNDED), ("open_ended", OPEN_ENDED)):
         run(plain, prompts[:1], 8)  # warm-up

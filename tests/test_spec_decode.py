@@ -27,7 +27,9 @@ def test_ngram_propose_finds_the_latest_longest_match():
     toks = [7, 8, 9, 1, 2, 0, 9, 5, 8, 9]
     assert ngram_propose(toks, 2, 1, 3) == [1, 2]
     assert ngram_propose([1, 2, 3], 4, 2, 3) == []
-    assert ngram_propose([5, 5], 3, 1, 2) == [5]
+    # a match near the end keeps copying its own continuation: a periodic tail yields k tokens
+    assert ngram_propose([5, 5], 3, 1, 2) == [5, 5, 5]
+    assert ngram_propose([1, 7, 8, 7, 8], 5, 1, 2) == [7, 8, 7, 8, 7]
 
 
 def test_config_validation():
@@ -256,3 +258,20 @@ def test_draft_models_stop_speculating_sooner_by_default():
     assert SpeculativeConfig(method="ngram").min_acceptance == 0.3
     assert SpeculativeConfig(method="draft", draft_model="x").min_acceptance == 0.7
     assert SpeculativeConfig(method="draft", draft_model="x", disable_below_acceptance=0.2).min_acceptance == 0.2
+
+
+def test_adaptive_draft_length_grows_on_full_acceptance_and_keeps_outputs(tiny_llama):
+    """max_speculative_tokens > k: each request's k moves like transformers' heuristic schedule."""
+    with pytest.raises(ValueError, match="at least num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=4, max_speculative_tokens=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _repetitive_prompts(4)
+    ref = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, params)]
+    spec = LLM(str(tiny_llama), dtype="float32",
+               speculative=dict(SPEC, num_speculative_tokens=2, max_speculative_tokens=8))
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    c = spec.engine.spec_counters
+    assert len(c.accepted_per_pos) == 8
+    assert sum(c.accepted_per_pos[2:]) > 0  # some rounds drafted more than the starting k = 2
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -123,7 +123,8 @@ class LLMEngine:
                                   draft[0].spec.num_kv_heads, draft[0].spec.head_dim, ddtype, self.device)
             self.draft_runner = ModelRunner(dmodel, dcache, config.block_size, self.device)
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
-        self.spec_counters = SpecCounters(self.spec_config.num_speculative_tokens if self.spec_config else 0)
+        self.spec_counters = SpecCounters(
+            (self.spec_config.max_speculative_tokens or self.spec_config.num_speculative_tokens) if self.spec_config else 0)
         self.requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []
         self._pending_finished: list[FinishedRequest] = []
@@ -299,7 +300,7 @@ class LLMEngine:
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-            k = min(spec.num_speculative_tokens, room)
+            k = min(seq.spec_k or spec.num_speculative_tokens, room)
             if k <= 0:
                 continue
             if spec.method == "ngram":
@@ -348,6 +349,10 @@ class LLMEngine:
         seq.spec_proposed += len(drafts)
         seq.spec_accepted += accepted
         spec = self.spec_config
+        if spec.max_speculative_tokens is not None and drafts:
+            k = seq.spec_k or spec.num_speculative_tokens
+            k = min(spec.max_speculative_tokens, k + 2) if accepted == len(drafts) else max(1, k - 1)
+            seq.spec_k = k
         if (seq.spec_proposed >= spec.disable_min_drafts
                 and seq.spec_accepted < spec.min_acceptance * seq.spec_proposed):
             seq.spec_disabled = True

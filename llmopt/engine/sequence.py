@@ -49,6 +49,7 @@ class Sequence:
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.spec_disabled = False
+        self.spec_k = 0  # this request's current draft length (0: the configured k)
         self.draft_computed = 0  # tokens whose K/V the separate draft model has cached (method "draft")
         # incremental detokenization state
         self.output_text = ""

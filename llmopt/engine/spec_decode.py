@@ -44,6 +44,10 @@ class SpeculativeConfig(BaseModel):
 
     method: Literal["ngram", "layer_skip", "draft"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # above num_speculative_tokens: each request adapts its k between 1 and this, as transformers'
+    # assisted generation does ("heuristic" schedule): +2 after a round whose drafts were all
+    # accepted, -1 after a rejection. None keeps k fixed.
+    max_speculative_tokens: int | None = Field(None, ge=1, le=16)
     # draft: the draft model (alias, HF dir, .gguf or an llmopt-quantized checkpoint) and its dtype
     draft_model: str | None = None
     draft_dtype: str = "auto"
@@ -69,6 +73,8 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _draft(self) -> SpeculativeConfig:
+        if self.max_speculative_tokens is not None and self.max_speculative_tokens < self.num_speculative_tokens:
+            raise ValueError("max_speculative_tokens must be at least num_speculative_tokens")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (a model with the target's tokenizer)")
         if self.draft_model and self.method != "draft":
@@ -78,7 +84,8 @@ class SpeculativeConfig(BaseModel):
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix (max_n down to
-    min_n tokens) in prompt + output, and propose the k tokens that followed it."""
+    min_n tokens) in prompt + output, and propose the k tokens that followed it (continuing the
+    copy through its own proposal when the match is close to the end)."""
     n_tok = len(tokens)
     if n_tok < min_n + 1:
         return []
@@ -91,8 +98,13 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
         windows = np.lib.stride_tricks.sliding_window_view(hay, n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
+            # copy what followed the match; a copy that runs into the end of the sequence goes on
+            # copying its own output (LZ77-style), so a periodic tail yields k tokens, not one
             start = int(hits[-1]) + n
-            return tokens[start:start + k]
+            out: list[int] = []
+            for j in range(start, start + k):
+                out.append(tokens[j] if j < n_tok else out[j - n_tok])
+            return out
     return []
 
 
