@@ -28,6 +28,7 @@ from llmopt.errors import LlmoptError
 from llmopt.recipe.atomic import public_mode, write_json_atomic, write_text_atomic
 from llmopt.recipe.hashing import changed_parts, stage_key, tree_fingerprint
 from llmopt.recipe.issues import Issue, RecipeInvalid
+from llmopt.recipe.lock import run_lock
 from llmopt.recipe.resolved import ResolvedRecipe, resolved_document
 from llmopt.recipe.stages import STAGES, Stage, StageContext
 from llmopt.recipe.state import GateRecord, RunState, StageRecord, load_state, save_state
@@ -220,6 +221,12 @@ def run_recipe(req: RunRequest, console: Console | None = None) -> RunReport:
     plan = _plan(req)
     if req.dry_run:
         return _dry_run(plan, req, started)
+    with run_lock(plan.run_dir):
+        return _execute(plan, req, console, started, t_start)
+
+
+def _execute(plan: _Plan, req: RunRequest, console: Console, started: str, t_start: float) -> RunReport:
+    """The run itself, under the run folder's lock."""
     _write_run_files(plan, req)
     report = RunReport(str(req.recipe), str(plan.run_dir), plan.rr.recipe.description, [], started)
     hashes = dict(plan.reused)

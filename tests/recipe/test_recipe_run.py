@@ -276,3 +276,32 @@ def test_cuda_device_is_checked_before_any_work(tiny_llama, tmp_path):
     with pytest.raises(RecipeInvalid, match=r":12: calibration.device: stage calibrate asks for cuda"):
         run_recipe(RunRequest(recipe=recipe, out=tmp_path / "run"), quiet())
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_run_on_the_same_folder_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):
+    """One run per folder: another process's lock makes `llmopt run` exit 2 with one line, and the
+    folder's existing files are left alone; once the lock is gone the run goes ahead."""
+    import subprocess
+    import sys
+
+    from llmopt.recipe.lock import LOCK_NAME
+
+    recipe = make_recipe(tmp_path, LLAMA_CONFIG)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "keep.txt").write_text("mine")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from llmopt.recipe.lock import run_lock\n"
+         "with run_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(60)", str(run_dir)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, err = run_cli(monkeypatch, capsys, "run", str(recipe), "--out", str(run_dir), "--stages", "vram_plan")
+        assert code == 2 and "is in use by another `llmopt run`" in err and len(err.strip().splitlines()) == 1
+        assert str(holder.pid) in err
+        assert sorted(p.name for p in run_dir.iterdir()) == sorted([LOCK_NAME, "keep.txt"])
+    finally:
+        holder.kill()
+        holder.wait()
+    report = run_recipe(RunRequest(recipe=recipe, out=run_dir, stages="vram_plan"), quiet())
+    assert report.stages[0].status == "ran" and (run_dir / "keep.txt").read_text() == "mine"
