@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from llmopt.cli import main
+from tests.cli_runner import run_cli
 
 DATA = Path(__file__).resolve().parents[1] / "calibration_data"
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["llmopt", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_calibrate_then_quantize_with_it(tiny_llama, tmp_path, monkeypatch, capsys):

@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.cli import main
+from tests.cli_runner import run_cli
 
 KB = Path(__file__).resolve().parents[1] / "calibration_data" / "kb_calibration.jsonl"
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["llmopt", *args])
-    with pytest.raises(SystemExit) as e:
-        main()
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):

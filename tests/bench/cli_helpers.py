@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-from rich.console import Console
-
-import llmopt.cli as cli
+from tests.cli_runner import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,14 +15,6 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250", "PYTHONPATH": str(ROOT)}
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+def run_bench_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     """`llmopt bench ARGS` in this process; returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["llmopt", "bench", *args])
-    monkeypatch.setattr(cli, "console", Console(width=250))
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(monkeypatch, capsys, "bench", *args)

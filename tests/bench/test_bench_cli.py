@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import run_cli, subprocess_env
+from cli_helpers import run_bench_cli, subprocess_env
 from rich.console import Console
 
 from llmopt.bench.config import BenchOptions
@@ -103,7 +103,7 @@ def test_static_vs_continuous(tiny_llama, tmp_path):
 
 
 def test_prefix_cache_scenario_and_ratio_gates(tiny_llama, tmp_path, monkeypatch, capsys):
-    code, out, err = run_cli(
+    code, out, err = run_bench_cli(
         monkeypatch, capsys, "--model", str(tiny_llama), *ENGINE, "--scenario", "prefix-cache",
         "--prefix-len", "64", "--num-prefixes", "2", "--suffix-len", "4", "--output-len", "2", "--num-prompts", "8",
         "--concurrency", "1", "--json", str(tmp_path / "p.json"), "--gate", "prefix_cache_hit_rate>=0.5",
@@ -124,14 +124,14 @@ def test_compare_prints_ratios(sweep, tiny_llama, tmp_path, monkeypatch, capsys)
                          input_len="8:24", output_len="4:16", num_prompts=8, concurrency="1,4", seed=1,
                          json_path=str(tmp_path / "b.json"), progress=False).build()
     run_bench(other, _quiet())
-    code, out, err = run_cli(monkeypatch, capsys, "--compare", str(d / "r.json"), str(tmp_path / "b.json"))
+    code, out, err = run_bench_cli(monkeypatch, capsys, "--compare", str(d / "r.json"), str(tmp_path / "b.json"))
     assert code == 0, err
     assert "r.json (base)" in out and "b.json" in out and "concurrency 4" in out
     assert "output tok/s" in out and "TTFT p99 ms" in out and "(x" in out
 
-    code, out, err = run_cli(monkeypatch, capsys, "--compare", str(d / "r.json"))
+    code, out, err = run_bench_cli(monkeypatch, capsys, "--compare", str(d / "r.json"))
     assert code == 2 and "at least two reports" in err
-    code, out, err = run_cli(monkeypatch, capsys, str(d / "r.json"))
+    code, out, err = run_bench_cli(monkeypatch, capsys, str(d / "r.json"))
     assert code == 2 and "report files go with --compare" in err
 
 
@@ -155,10 +155,10 @@ def test_bad_input_exits_2_with_one_line(args, message, closed_port, tmp_path):
 def test_gates_pass_and_fail(tiny_llama, monkeypatch, capsys):
     base = ["--model", str(tiny_llama), *ENGINE, "--input-len", "8", "--output-len", "4", "--num-prompts", "4",
             "--concurrency", "2", "--no-progress"]
-    code, out, err = run_cli(monkeypatch, capsys, *base, "--gate", "output_throughput>=1", "--gate", "failed<=0")
+    code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--gate", "output_throughput>=1", "--gate", "failed<=0")
     assert code == 0, err
     assert "gate PASS output_throughput>=1" in out and "gate PASS failed<=0" in out
-    code, out, err = run_cli(monkeypatch, capsys, *base, "--gate", "ttft_p99_ms<=0.000001;completed>=4")
+    code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--gate", "ttft_p99_ms<=0.000001;completed>=4")
     assert code == 1
     assert "gate FAIL ttft_p99_ms<=1e-06" in out and "gate PASS completed>=4" in out
     assert err.strip().splitlines() == [err.strip()] and "ttft_p99_ms<=1e-06" in err
@@ -177,7 +177,7 @@ def test_ctrl_c_prints_partial_results_and_exits_130(tiny_llama, tmp_path, monke
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", step)
-    code, out, err = run_cli(monkeypatch, capsys, "--model", str(tiny_llama), *ENGINE, "--input-len", "8",
+    code, out, err = run_bench_cli(monkeypatch, capsys, "--model", str(tiny_llama), *ENGINE, "--input-len", "8",
                              "--output-len", "6", "--num-prompts", "6", "--concurrency", "1,2,4", "--warmup", "0",
                              "--json", str(tmp_path / "i.json"), "--gate", "failed<=0", "--no-progress")
     assert code == 130 and "interrupted; the partial results are above" in err

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cli_helpers import run_cli, subprocess_env
+from cli_helpers import run_bench_cli, subprocess_env
 from scripted_sse_server import USAGE_PROMPT_TOKENS
 
 from llmopt.bench.report import load_report
@@ -19,7 +19,7 @@ from llmopt.bench.report import load_report
 
 def test_sweep_against_a_server_with_metrics(fake_server, tiny_llama, tmp_path, monkeypatch, capsys):
     fake_server.bodies.clear()
-    code, out, err = run_cli(monkeypatch, capsys, "--url", fake_server.url, "--tokenizer", str(tiny_llama),
+    code, out, err = run_bench_cli(monkeypatch, capsys, "--url", fake_server.url, "--tokenizer", str(tiny_llama),
                              "--input-len", "6", "--output-len", "3", "--num-prompts", "4", "--concurrency", "1,2",
                              "--warmup", "1", "--json", str(tmp_path / "h.json"), "--gate", "completed>=4",
                              "--no-progress")
@@ -40,10 +40,10 @@ def test_sweep_against_a_server_with_metrics(fake_server, tiny_llama, tmp_path, 
 def test_server_errors_are_counted_not_fatal(fake_server, tiny_llama, monkeypatch, capsys):
     base = ["--url", fake_server.url, "--tokenizer", str(tiny_llama), "--input-len", "4", "--output-len", "3",
             "--num-prompts", "3", "--warmup", "0", "--no-progress"]
-    code, out, err = run_cli(monkeypatch, capsys, *base, "--served-model", "err500")
+    code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--served-model", "err500")
     assert code == 0, err
     assert "Failed requests:" in out and "http_500:" in out
-    code, out, err = run_cli(monkeypatch, capsys, *base, "--served-model", "midstream_error", "--gate", "failed<=0")
+    code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--served-model", "midstream_error", "--gate", "failed<=0")
     assert code == 1 and "failed<=0 (measured 3)" in err
     assert "stream_error:" in out
 
@@ -52,7 +52,7 @@ def test_jsonl_workload_needs_no_tokenizer(fake_server, tmp_path, monkeypatch, c
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) + "\n"
                     + json.dumps({"prompt": "hello", "max_tokens": 3}) + "\n")
-    code, out, err = run_cli(monkeypatch, capsys, "--url", fake_server.url, "--dataset", str(data), "--warmup", "0",
+    code, out, err = run_bench_cli(monkeypatch, capsys, "--url", fake_server.url, "--dataset", str(data), "--warmup", "0",
                              "--json", str(tmp_path / "j.json"), "--no-progress")
     assert code == 0, err
     run = load_report(tmp_path / "j.json").runs[0]

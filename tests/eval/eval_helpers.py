@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import yaml
-from rich.console import Console
 
-import llmopt.cli as cli
+from tests.cli_runner import run_cli
 
 MC_DOCS = [
     {"id": f"q{i}", "context": ctx, "question": q, "choices": ch, "answer": a}
@@ -62,14 +60,5 @@ def write_task(folder: Path, name: str = "tiny_mc", **overrides) -> Path:
 
 
 def run_eval_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """`llmopt eval ARGS` through the real `main()` in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["llmopt", "eval", *args])
-    monkeypatch.setattr(cli, "console", Console(width=250))
-    monkeypatch.setattr(cli, "err_console", Console(width=250, stderr=True))
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+    """`llmopt eval ARGS` in this process: (exit code, stdout, stderr)."""
+    return run_cli(monkeypatch, capsys, "eval", *args)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from recipe_helpers import DATA, LLAMA_CONFIG, run_cli, write
+from recipe_helpers import DATA, LLAMA_CONFIG, write
 from rich.console import Console
 
 from llmopt.errors import LlmoptError
@@ -17,6 +17,7 @@ from llmopt.recipe.issues import RecipeInvalid
 from llmopt.recipe.runner import RunRequest, run_recipe
 from llmopt.recipe.state import load_state
 from llmopt.recipe.validate import validate_recipe
+from tests.cli_runner import run_cli
 
 STAGES = ["vram_plan", "calibrate", "quantize", "eval", "serve", "bench"]
 

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from recipe_helpers import DATA, LLAMA_CONFIG, run_cli, write
+from recipe_helpers import DATA, LLAMA_CONFIG, write
 
 from llmopt.recipe.interpolate import interpolate_string
 from llmopt.recipe.issues import RecipeInvalid
 from llmopt.recipe.loader import parse_recipe_text
 from llmopt.recipe.overrides import apply_overrides, parse_key_path
 from llmopt.recipe.validate import validate_recipe
+from tests.cli_runner import run_cli
 
 # Line numbers below refer to this text (line 1 is `model:`).
 BASE = f"""model: {LLAMA_CONFIG}

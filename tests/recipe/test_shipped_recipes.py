@@ -6,9 +6,10 @@ import json
 import re
 
 import pytest
-from recipe_helpers import LLAMA_CONFIG, RECIPES, ROOT, run_cli
+from recipe_helpers import LLAMA_CONFIG, RECIPES, ROOT
 
 from llmopt.recipe.schema import Recipe, recipe_json_schema
+from tests.cli_runner import run_cli
 
 SHIPPED = sorted(p.name for p in RECIPES.glob("*.yaml"))
 CPU_RECIPES = ["quickstart.yaml", "spec-ngram.yaml"]  # end to end in the slow suite; the others take longer

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 
-import pytest
-
-from llmopt.cli import main
 from llmopt.models.resolve import resolve_model
 from llmopt.planning.vram import VramPlanOptions, plan_vram
 from llmopt.serve.vllm_handoff import VllmOptions, build_vllm_command
 from llmopt.testing.tiny_model import write_tiny_llama
+from tests.cli_runner import run_cli
 
 LLAMA_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -30,13 +27,6 @@ def write_config(path, cfg) -> str:
     return str(path)
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["llmopt", *args])
-    with pytest.raises(SystemExit) as e:
-        main()
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 def test_flags_map_one_to_one(tiny_llama):
