@@ -1,4 +1,5 @@
-"""Shared helpers for engine tests: a reference greedy decode through transformers."""
+"""Shared helpers for engine tests: the token ids an LLM generates, and a reference greedy decode
+through transformers."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def hf_greedy(model_dir, prompts_ids: list[list[int]], max_new_tokens: int) -> l
                             do_sample=False)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def token_ids(llm, prompts, params) -> list[list[int]]:
+    """The token ids of each prompt's first completion from `llm.generate(prompts, params)`."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

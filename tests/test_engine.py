@@ -9,7 +9,7 @@ import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.engine.llm_engine import RequestError
-from tests.engine_utils import hf_greedy
+from tests.engine_utils import hf_greedy, token_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -39,16 +39,16 @@ def test_batch_invariance_chunking_prefix_cache_and_preemption(tiny_llama):
     base = LLM(str(tiny_llama), dtype="float32")
     prompts = _prompts(base.engine.spec.vocab_size, 12, seed=1, lo=20, hi=90)
     alone = [base.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
-    batched = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    batched = token_ids(base, prompts, GREEDY)
     assert batched == alone
     # the second run over the same prompts is served from the prefix cache
     hits_before = base.engine.block_manager.prefix_hits
-    cached = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    cached = token_ids(base, prompts, GREEDY)
     assert base.engine.block_manager.prefix_hits > hits_before
     assert cached == alone
     _assert_pool_clean(base)
     chunked = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=16)
-    assert [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY)] == alone
+    assert token_ids(chunked, prompts, GREEDY) == alone
     # 12 blocks of 16 tokens cannot hold 12 sequences of up to 114 tokens: forces preemption
     tiny_pool = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=12)
     outs = tiny_pool.generate(prompts, GREEDY)
@@ -72,15 +72,15 @@ def test_decode_groups_split_by_context_length_and_keep_results(tiny_llama):
                + _prompts(base.engine.spec.vocab_size, 10, seed=4, lo=4, hi=40))
     alone = [base.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     seen.clear()
-    assert [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)] == alone
+    assert token_ids(base, prompts, GREEDY) == alone
     assert max(seen) == 20
 
 
 def test_prefix_cache_off_gives_same_tokens_and_no_hits(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", enable_prefix_caching=False)
     prompts = _prompts(llm.engine.spec.vocab_size, 4, seed=2, lo=40, hi=50)
-    a = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    b = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    a = token_ids(llm, prompts, GREEDY)
+    b = token_ids(llm, prompts, GREEDY)
     assert a == b
     assert llm.engine.block_manager.prefix_hits == 0
 

@@ -14,6 +14,7 @@ from llmopt.errors import LlmoptError
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.testing.tiny_model import write_tiny_llama
+from tests.engine_utils import token_ids
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "max_batch_size": 512, "disable_below_acceptance": 0.0}
@@ -49,8 +50,8 @@ def test_greedy_output_identical_and_kv_rolled_back(tiny_llama):
     spec = LLM(str(tiny_llama), dtype="float32", speculative=SPEC)
     prompts = _repetitive_prompts(6) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    a = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    b = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    a = token_ids(plain, prompts, params)
+    b = token_ids(spec, prompts, params)
     assert a == b
     c = spec.engine.spec_counters
     assert c.num_drafts > 0 and c.num_accepted_tokens > 0
@@ -58,7 +59,7 @@ def test_greedy_output_identical_and_kv_rolled_back(tiny_llama):
     bm = spec.engine.block_manager
     assert all(blk.ref_count == 0 for blk in bm.blocks) and bm.num_free_blocks == bm.num_blocks
     # the rolled-back KV slots never poisoned the prefix cache: a rerun is still identical
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == a
+    assert token_ids(spec, prompts, params) == a
     # and the text streamed equals the tokens
     out = spec.generate(prompts[:1], params)[0].outputs[0]
     assert out.text == spec.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
@@ -70,8 +71,7 @@ def test_stop_conditions_inside_an_accepted_run(tiny_llama):
     prompts = _repetitive_prompts(3)
     for max_tokens in (1, 2, 5, 9):
         p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        assert ([o.outputs[0].token_ids for o in spec.generate(prompts, p)]
-                == [o.outputs[0].token_ids for o in plain.generate(prompts, p)])
+        assert token_ids(spec, prompts, p) == token_ids(plain, prompts, p)
     ref = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     stop_tok = ref.outputs[0].token_ids[6]
     p = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok])
@@ -134,10 +134,10 @@ def test_layer_skip_self_draft_greedy_identity(tiny_llama):
     plain = LLM(str(tiny_llama), dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = _repetitive_prompts(4) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    ref = token_ids(plain, prompts, params)
     half = LLM(str(tiny_llama), dtype="float32", speculative={"method": "layer_skip", "draft_layers": 1,
                                                              "max_batch_size": 64})
-    assert [o.outputs[0].token_ids for o in half.generate(prompts, params)] == ref
+    assert token_ids(half, prompts, params) == ref
     assert half.engine.spec_counters.num_draft_tokens > 0
     bm = half.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
@@ -145,7 +145,7 @@ def test_layer_skip_self_draft_greedy_identity(tiny_llama):
     # checks that draft positions, slots and the verification offsets line up
     full = LLM(str(tiny_llama), dtype="float32", speculative={"method": "layer_skip", "draft_layers": 2,
                                                              "max_batch_size": 64})
-    assert [o.outputs[0].token_ids for o in full.generate(prompts, params)] == ref
+    assert token_ids(full, prompts, params) == ref
     assert full.engine.spec_counters.acceptance_rate > 0.95
 
 
@@ -167,9 +167,9 @@ def test_draft_model_that_is_the_target_is_always_accepted(tiny_llama):
     catch-up prefill, its mirrored block tables and the positions of the single-token steps."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = _repetitive_prompts(4) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
-    ref = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, params)]
+    ref = token_ids(LLM(str(tiny_llama), dtype="float32"), prompts, params)
     spec = LLM(str(tiny_llama), dtype="float32", speculative=_draft_spec(tiny_llama))
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    assert token_ids(spec, prompts, params) == ref
     c = spec.engine.spec_counters
     assert c.num_draft_tokens > 0 and c.acceptance_rate > 0.95
 
@@ -177,16 +177,16 @@ def test_draft_model_that_is_the_target_is_always_accepted(tiny_llama):
 def test_draft_model_rejections_roll_back_and_preemption_recomputes(tiny_llama, other_draft):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _repetitive_prompts(6) + [[3, 4, 5, 6, 7, 8, 9, 11, 13, 17]]
-    ref = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, params)]
+    ref = token_ids(LLM(str(tiny_llama), dtype="float32"), prompts, params)
     spec = LLM(str(tiny_llama), dtype="float32", speculative=_draft_spec(other_draft))
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    assert token_ids(spec, prompts, params) == ref
     c = spec.engine.spec_counters
     assert c.num_draft_tokens > 0 and c.num_accepted_tokens < c.num_draft_tokens
     bm = spec.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     # a pool of 12 blocks for 7 sequences of up to 70 tokens forces preemption and recompute
     tight = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=12, speculative=_draft_spec(tiny_llama))
-    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == ref
+    assert token_ids(tight, prompts, params) == ref
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.spec_counters.acceptance_rate > 0.95  # the draft's cache was rebuilt, not stale
 
@@ -266,10 +266,10 @@ def test_adaptive_draft_length_grows_on_full_acceptance_and_keeps_outputs(tiny_l
         SpeculativeConfig(num_speculative_tokens=4, max_speculative_tokens=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _repetitive_prompts(4)
-    ref = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, params)]
+    ref = token_ids(LLM(str(tiny_llama), dtype="float32"), prompts, params)
     spec = LLM(str(tiny_llama), dtype="float32",
                speculative=dict(SPEC, num_speculative_tokens=2, max_speculative_tokens=8))
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    assert token_ids(spec, prompts, params) == ref
     c = spec.engine.spec_counters
     assert len(c.accepted_per_pos) == 8
     assert sum(c.accepted_per_pos[2:]) > 0  # some rounds drafted more than the starting k = 2
