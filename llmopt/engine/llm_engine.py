@@ -27,6 +27,7 @@ from llmopt.engine.spec_decode import SpeculativeConfig, ngram_propose, spec_eli
 from llmopt.engine.stats import FinishedRequest, StepStats
 from llmopt.errors import LlmoptError
 from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.models.llama import LlamaForCausalLM
 from llmopt.models.loader import load_model, parse_dtype
 from llmopt.models.resolve import resolve_model, weights_dir
 from llmopt.models.tokenizer import load_tokenizer
@@ -85,9 +86,7 @@ class LLMEngine:
         self.resolved = resolve_model(config.model)
         self.spec = self.resolved.spec
         self.device = resolve_device(config.device)
-        self.dtype = parse_dtype(config.dtype, self.spec.dtype)
-        if self.device.type == "cpu" and self.dtype == torch.float16 and config.dtype == "auto":
-            self.dtype = torch.float32  # fp16 matmuls are emulated and slow on CPUs
+        self.dtype = self._compute_dtype(config.dtype, self.spec.dtype)
         self.model = load_model(self.resolved, self.dtype, self.device)
         self.weights_dir = weights_dir(self.resolved)
         self.tokenizer = load_tokenizer(self.weights_dir)
@@ -99,11 +98,11 @@ class LLMEngine:
         per_block = PagedKVCache.bytes_per_block(s.num_layers, config.block_size, s.num_kv_heads, s.head_dim,
                                                  self.dtype, kv_dtype)
         self.spec_config: SpeculativeConfig | None = config.speculative
-        draft = self._load_draft() if self.spec_config and self.spec_config.method == "draft" else None
+        draft, draft_dtype = self._load_draft() if self.spec_config and self.spec_config.method == "draft" else (None, None)
         if draft is not None:  # the draft's pool mirrors the target's block for block
-            ds, ddtype = draft[0].spec, draft[1]
+            ds = draft.spec
             per_block += PagedKVCache.bytes_per_block(ds.num_layers, config.block_size, ds.num_kv_heads, ds.head_dim,
-                                                      ddtype)
+                                                      draft_dtype)
         self.num_blocks = self._num_blocks(per_block)
         self.kv_cache = PagedKVCache(s.num_layers, self.num_blocks, config.block_size, s.num_kv_heads,
                                      s.head_dim, self.dtype, self.device, kv_dtype)
@@ -118,10 +117,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         self.draft_runner: ModelRunner | None = None
         if draft is not None:
-            dmodel, ddtype = draft[2], draft[1]
-            dcache = PagedKVCache(draft[0].spec.num_layers, self.num_blocks, config.block_size,
-                                  draft[0].spec.num_kv_heads, draft[0].spec.head_dim, ddtype, self.device)
-            self.draft_runner = ModelRunner(dmodel, dcache, config.block_size, self.device)
+            dcache = PagedKVCache(ds.num_layers, self.num_blocks, config.block_size, ds.num_kv_heads, ds.head_dim,
+                                  draft_dtype, self.device)
+            self.draft_runner = ModelRunner(draft, dcache, config.block_size, self.device)
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
         self.spec_counters = SpecCounters(
             (self.spec_config.max_speculative_tokens or self.spec_config.num_speculative_tokens) if self.spec_config else 0)
@@ -134,20 +132,26 @@ class LLMEngine:
         self._last_spec = (0, 0, 0)
         self._next_id = 0
 
-    def _load_draft(self):
-        """(resolved, dtype, model) of the separate draft model; it must share the target's vocabulary."""
+    def _compute_dtype(self, requested: str, checkpoint: torch.dtype) -> torch.dtype:
+        """The dtype to run a model in; `auto` takes the checkpoint's, except fp16 on a CPU (emulated
+        and slow there), which runs in fp32."""
+        dtype = parse_dtype(requested, checkpoint)
+        if self.device.type == "cpu" and dtype == torch.float16 and requested == "auto":
+            return torch.float32
+        return dtype
+
+    def _load_draft(self) -> tuple[LlamaForCausalLM, torch.dtype]:
+        """The separate draft model and the dtype it runs in; it must share the target's tokenizer."""
         sc = self.spec_config
         resolved = resolve_model(sc.draft_model)
         if resolved.spec.vocab_size != self.spec.vocab_size:
             raise LlmoptError(f"draft model {sc.draft_model!r} has a vocabulary of {resolved.spec.vocab_size} tokens, "
                               f"the target {self.spec.vocab_size}: speculative decoding needs the same tokenizer")
-        dtype = parse_dtype(sc.draft_dtype, resolved.spec.dtype)
-        if self.device.type == "cpu" and dtype == torch.float16 and sc.draft_dtype == "auto":
-            dtype = torch.float32
         dtok = load_tokenizer(weights_dir(resolved))
         if dtok.get_vocab() != self.tokenizer.get_vocab():
             raise LlmoptError(f"draft model {sc.draft_model!r} does not use the target's tokenizer")
-        return resolved, dtype, load_model(resolved, dtype, self.device)
+        dtype = self._compute_dtype(sc.draft_dtype, resolved.spec.dtype)
+        return load_model(resolved, dtype, self.device), dtype
 
     def _num_blocks(self, per_block: int) -> int:
         c = self.config

@@ -42,6 +42,20 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _prefill_chunk(self, table: list[int], start: int, end: int) -> PrefillChunk:
+        """Tokens start..end-1 of one sequence as a chunk: a whole context (start 0) attends to its own
+        K/V and needs no gather (unless the cache is int8); a later chunk reads the cached context
+        through its slots with a causal mask offset by `start`."""
+        dev = self.device
+        if start == 0 and not self.cache.quantized:
+            return PrefillChunk(end, end, torch.empty(0, dtype=torch.long), None)
+        ctx_slots = torch.tensor(self._slots(table, 0, end), dtype=torch.long, device=dev)
+        if start == 0:
+            return PrefillChunk(end, end, ctx_slots, None)
+        q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
+        k_pos = torch.arange(end, device=dev).unsqueeze(0)
+        return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Build input ids, positions and attention metadata.
 
@@ -65,16 +79,7 @@ class ModelRunner:
             pos.extend(range(c, c + n))
             slots.extend(self._slots(seq.block_table, c, c + n))
             ctx = c + n
-            if c == 0:
-                chunk = PrefillChunk(n, ctx, torch.empty(0, dtype=torch.long), None)
-                if self.cache.quantized:
-                    chunk.slots = torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long, device=dev)
-            else:
-                q_pos = torch.arange(c, ctx, device=dev).unsqueeze(1)
-                k_pos = torch.arange(ctx, device=dev).unsqueeze(0)
-                chunk = PrefillChunk(n, ctx, torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long,
-                                                          device=dev), k_pos <= q_pos)
-            meta_prefills.append(chunk)
+            meta_prefills.append(self._prefill_chunk(seq.block_table, c, ctx))
             if seq.spec_tokens:
                 spec_rows.append((seq, list(range(len(ids) - n, len(ids)))))
             elif ctx == seq.num_tokens:
@@ -151,11 +156,7 @@ class ModelRunner:
             slots.extend(self._slots(table, start, end))
             rows.append(len(ids) - 1)
             if len(toks) > 1:
-                ctx = torch.tensor(self._slots(table, 0, end), dtype=torch.long, device=dev)
-                mask = None
-                if start > 0:
-                    mask = torch.arange(end, device=dev).unsqueeze(0) <= torch.arange(start, end, device=dev).unsqueeze(1)
-                chunks.append(PrefillChunk(len(toks), end, ctx, mask))
+                chunks.append(self._prefill_chunk(table, start, end))
             else:
                 tables.append(table)
                 ctx_lens.append(end)
