@@ -1,8 +1,9 @@
 """Attention over the paged KV cache.
 
 Tokens of one engine step arrive flattened: first the prefill chunks (one sequence each, several query
-tokens), then the decode tokens (one query token each). Decodes are batched into one gather + SDPA call;
-each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix. Block tables and
+tokens), then the decode tokens (one query token each). Decodes run in groups of similar context
+length, each one block gather and two grouped matmuls; each prefill chunk runs its own SDPA with a
+causal mask offset by its cached prefix. Block tables and
 masks are built once per step in `AttentionMetadata` and shared by every layer.
 """
 

@@ -75,7 +75,7 @@ class PagedKVCache:
             self.v[layer].index_copy_(1, slots, v.to(self.v.dtype))
 
     def _dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (q.float() * scale).to(self.dtype) if self.quantized else q
+        return (q.float() * scale).to(self.dtype)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the tokens at `slots` [N] → [num_kv_heads, N, head_dim] in the compute dtype."""
