@@ -243,6 +243,8 @@ def serve(
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager",
+                                       help="Never use the compiled kernels (bf16/fp16 prefill on CPU)."),
     speculative: Optional[str] = typer.Option(None, help="Speculative decoding: ngram (prompt lookup), "
                                               "layer_skip (self-draft) or draft (--draft-model); turned off "
                                               "while degraded."),
@@ -307,6 +309,7 @@ def serve(
     engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                  kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                  enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
+                                 enforce_eager=enforce_eager,
                                  speculative=(_speculative(speculative, num_speculative_tokens, draft_model)
                                               if speculative else None),
                                  **sizes)

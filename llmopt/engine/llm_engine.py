@@ -114,12 +114,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, not config.enforce_eager)
         self.draft_runner: ModelRunner | None = None
         if draft is not None:
             dcache = PagedKVCache(ds.num_layers, self.num_blocks, config.block_size, ds.num_kv_heads, ds.head_dim,
                                   draft_dtype, self.device)
-            self.draft_runner = ModelRunner(draft, dcache, config.block_size, self.device)
+            self.draft_runner = ModelRunner(draft, dcache, config.block_size, self.device, not config.enforce_eager)
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
         self.spec_counters = SpecCounters(
             (self.spec_config.max_speculative_tokens or self.spec_config.num_speculative_tokens) if self.spec_config else 0)

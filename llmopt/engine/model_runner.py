@@ -13,6 +13,7 @@ import torch
 
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
+from llmopt.layers import compiled as kernels
 from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.models.llama import LlamaForCausalLM
@@ -32,11 +33,16 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_size: int, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_size: int, device: torch.device,
+                 allow_compiled: bool = True):
         self.model = model
         self.cache = cache
         self.block_size = block_size
         self.device = device
+        self.allow_compiled = allow_compiled  # False: enforce_eager
+
+    def _compiled(self, num_tokens: int) -> bool:
+        return self.allow_compiled and kernels.wanted(self.cache.dtype, self.device, num_tokens)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -104,6 +110,7 @@ class ModelRunner:
                     sample_seqs.append(seq)
             meta.decode_groups = self._decode_groups(tables, ctx_lens)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta.compiled = self._compiled(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes)
@@ -161,7 +168,7 @@ class ModelRunner:
                 tables.append(table)
                 ctx_lens.append(end)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=chunks,
-                                 num_prefill_tokens=sum(c.q_len for c in chunks))
+                                 num_prefill_tokens=sum(c.q_len for c in chunks), compiled=self._compiled(len(ids)))
         if tables:
             meta.decode_groups = self._decode_groups(tables, ctx_lens)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long,

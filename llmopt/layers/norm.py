@@ -5,6 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmopt.layers import compiled as kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): the residual add fused into the norm."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None):
@@ -12,13 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`, returns (norm(x + residual), x + residual): the add is fused into the norm."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, compiled: bool = False):
+        """With `residual`, returns (norm(x + residual), x + residual). `compiled`: run the
+        TorchInductor version (`llmopt.layers.compiled`)."""
+        if residual is None:
+            return kernels.call(compiled, rms_norm, x, self.weight, self.eps)
+        return kernels.call(compiled, add_rms_norm, x, residual, self.weight, self.eps)

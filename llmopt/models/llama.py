@@ -8,9 +8,10 @@ The forward takes a flat batch of tokens from many sequences plus `AttentionMeta
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from llmopt.layers import compiled as kernels
+from llmopt.layers.activation import silu_and_mul
 from llmopt.layers.attention import AttentionMetadata, PagedAttention
 from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
@@ -35,7 +36,7 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         # q and k heads are adjacent in the fused output: rotate them in one go
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, *rope)
+        qk = kernels.call(meta.compiled, apply_rotary, qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, cache, meta))
@@ -51,9 +52,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype,
                                    device=device)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, compiled: bool = False):
+        return self.down_proj(kernels.call(compiled, silu_and_mul, self.gate_up_proj(x), self.intermediate_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -66,14 +66,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope, hidden, residual, cache, meta):
         """`rope` is the (cos, sin) pair for this step's positions, see `RotaryEmbedding`."""
+        fast = meta.compiled
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, compiled=fast)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, compiled=fast)
         hidden = self.self_attn(rope, hidden, cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual, compiled=fast)
+        return self.mlp(hidden, compiled=fast), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers[:num_layers]:
             hidden, residual = layer(rope, hidden, residual, cache, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

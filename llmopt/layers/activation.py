@@ -1,0 +1,12 @@
+"""SiLU(gate) · up over a fused gate|up projection output (the llama MLP's activation)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    gate, up = x.split(intermediate_size, dim=-1)
+    return F.silu(gate) * up
+

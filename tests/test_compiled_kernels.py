@@ -1,0 +1,119 @@
+"""The TorchInductor-compiled layer functions against their eager definitions and SDPA, and when the
+engine uses them (big bf16 CPU steps only; never fp32, never with enforce_eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt import LLM, SamplingParams
+from llmopt.layers import compiled as kernels
+from llmopt.layers.activation import silu_and_mul
+from llmopt.layers.attention import causal_attention
+from llmopt.layers.norm import add_rms_norm, rms_norm
+from llmopt.layers.rotary import apply_rotary
+
+
+def _sdpa(q, k, v, scale, offset):
+    """Reference: SDPA with K/V heads repeated and an explicit causal mask offset by `offset`."""
+    length, h, _ = q.shape
+    rep = h // k.shape[0]
+    kk, vv = k.repeat_interleave(rep, 0).float(), v.repeat_interleave(rep, 0).float()
+    allowed = torch.arange(k.shape[1])[None, :] <= (torch.arange(length)[:, None] + offset)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), kk, vv, attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1).reshape(length, -1)
+
+
+@pytest.mark.parametrize("offset", [0, 37])
+def test_causal_attention_matches_sdpa(offset):
+    g = torch.Generator().manual_seed(offset)
+    length, h, hkv, d = 70, 6, 2, 16
+    q = torch.randn(length, h, d, generator=g)
+    k, v = torch.randn(hkv, offset + length, d, generator=g), torch.randn(hkv, offset + length, d, generator=g)
+    ref = _sdpa(q, k, v, d**-0.5, offset)
+    assert torch.allclose(causal_attention(q, k, v, d**-0.5, offset), ref, atol=1e-5)
+    out = kernels.call(True, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset)
+    assert causal_attention in kernels._compiled, kernels._broken
+    assert torch.allclose(out.float(), ref, atol=3e-2)
+
+
+def test_compiled_elementwise_functions_match_eager():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 32, generator=g).bfloat16()
+    r = torch.randn(96, 32, generator=g).bfloat16()
+    w = torch.rand(32, generator=g).bfloat16()
+    qk = torch.randn(96, 5, 8, generator=g).bfloat16()
+    cos, sin = torch.randn(96, 1, 8, generator=g), torch.randn(96, 1, 8, generator=g)
+    gate_up = torch.randn(96, 64, generator=g).bfloat16()
+    cases = [(rms_norm, (x, w, 1e-5)), (add_rms_norm, (x, r, w, 1e-5)), (apply_rotary, (qk, cos, sin)),
+             (silu_and_mul, (gate_up, 32))]
+    for fn, args in cases:
+        got, want = kernels.call(True, fn, *args), fn(*args)
+        assert fn in kernels._compiled, kernels._broken
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                        strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), fn.__name__
+
+
+def test_only_big_low_precision_cpu_steps_compile():
+    cpu = torch.device("cpu")
+    assert kernels.wanted(torch.bfloat16, cpu, kernels.MIN_TOKENS)
+    assert not kernels.wanted(torch.bfloat16, cpu, kernels.MIN_TOKENS - 1)
+    assert not kernels.wanted(torch.float32, cpu, 4096)
+    assert not kernels.wanted(torch.bfloat16, torch.device("cuda"), 4096)
+
+
+def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama):
+    """A bf16 engine runs its big prefill steps compiled (and says so per step); its first tokens and
+    their logprobs agree with an enforce_eager engine's."""
+    compiled = LLM(str(tiny_llama), dtype="bfloat16")
+    eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
+    assert compiled.engine.runner.allow_compiled and not eager.engine.runner.allow_compiled
+    g = torch.Generator().manual_seed(5)
+    vocab = compiled.engine.spec.vocab_size
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(40, 120, (8,), generator=g)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=1)
+    seen = []
+    real_prepare = compiled.engine.runner.prepare
+
+    def prepare(scheduled):
+        out = real_prepare(scheduled)
+        seen.append(out[2].compiled)
+        return out
+
+    compiled.engine.runner.prepare = prepare
+    a = compiled.generate(prompts, params)
+    b = eager.generate(prompts, params)
+    assert any(seen)
+    same = 0
+    for x, y in zip(a, b, strict=True):
+        tx, ty = x.outputs[0].token_ids[0], y.outputs[0].token_ids[0]
+        same += tx == ty
+        lx, ly = x.outputs[0].logprobs[0][tx], y.outputs[0].logprobs[0][tx] if tx in y.outputs[0].logprobs[0] else None
+        if ly is not None:
+            assert abs(lx - ly) < 0.1
+    assert same >= 6
+
+
+def test_a_failed_compile_falls_back_to_eager_and_says_so(monkeypatch, caplog):
+    """Without a working C++ compiler TorchInductor cannot build CPU kernels: the call still returns the
+    eager result, a warning names the failure, and later calls stay eager."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(kernels, "_broken", [])
+    monkeypatch.setattr(kernels, "_compiled", {})
+
+    def scaled_tanh(x, s: float):  # a graph no cache holds yet
+        return torch.tanh(x * s) + 0.123456
+
+    x = torch.randn(80, 8)
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="llmopt.layers.compiled"):
+        out = kernels.call(True, scaled_tanh, x, 1.5)
+    torch._dynamo.reset()
+    assert torch.equal(out, scaled_tanh(x, 1.5))
+    assert not kernels.available()
+    assert "compiled kernels unavailable" in caplog.text
