@@ -90,8 +90,8 @@ def main() -> None:
                     help="calibration sources (PATH or PATH:weight) for GPTQ, AWQ and the KV scales "
                          "(default: the general prose and the kb texts, mixed 1:1)")
     ap.add_argument("--extra-calib", type=Path, default=None,
-                    help="also run W4A16 g64 GPTQ (act-order) calibrated on this file, checked against the eval text")
-    ap.add_argument("--only", nargs="*", default=None, help="run only the variants whose label contains one of these")
+                    help="also run W4A16 g64 GPTQ (act-order) and AWQ calibrated on this file, checked against the eval text")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these variants: whole labels select exactly those, otherwise by substring")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args()
@@ -122,14 +122,24 @@ def main() -> None:
         ("W4A16 g64 GPTQ act-order mse", "w4a16-gptq-act-mse",
          {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, "mse": True, **calib}),
         ("W4A16 g64 AWQ", "w4a16-awq", {"scheme": "w4a16", "group_size": 64, "method": "awq", **calib}),
+        ("W4A16 g64 RTN asym", "w4a16-rtn-asym", {"scheme": "w4a16", "group_size": 64, "symmetric": False}),
+        ("W4A16 g32 RTN asym", "w4a16-g32-rtn-asym", {"scheme": "w4a16", "group_size": 32, "symmetric": False}),
+        ("W4A16 g64 GPTQ act-order asym", "w4a16-gptq-act-asym",
+         {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, "symmetric": False, **calib}),
+        ("W4A16 g64 AWQ asym", "w4a16-awq-asym",
+         {"scheme": "w4a16", "group_size": 64, "method": "awq", "symmetric": False, **calib}),
     ]
     if args.extra_calib is not None:
+        extra = {"calib_data": [str(args.extra_calib)], "num_samples": args.num_samples,
+                 "seq_len": args.calib_seq_len}
         plan.append((f"W4A16 g64 GPTQ act-order ({args.extra_calib.name})", "w4a16-gptq-extra",
-                     {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True,
-                      "calib_data": [str(args.extra_calib)], "num_samples": args.num_samples,
-                      "seq_len": args.calib_seq_len}))
+                     {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True, **extra}))
+        plan.append((f"W4A16 g64 AWQ ({args.extra_calib.name})", "w4a16-awq-extra",
+                     {"scheme": "w4a16", "group_size": 64, "method": "awq", **extra}))
     if args.only is not None:
-        plan = [p for p in plan if any(o in p[0] for o in args.only)]
+        labels = {p[0] for p in plan}
+        exact = all(o in labels for o in args.only)  # whole labels select exactly those variants
+        plan = [p for p in plan if (p[0] in args.only if exact else any(o in p[0] for o in args.only))]
     seqs: list[list[int]] | None = None
     for label, sub, qopts in plan:
         entry: dict[str, Any] = {}
@@ -185,11 +195,13 @@ def render(results: dict[str, Any]) -> str:
     v = results["variants"]
     base = v.get("fp32", {}).get("ppl")
     rtn4 = v.get("W4A16 g64 RTN", {}).get("ppl")
-    lines = ["| variant | ppl | Δ vs fp32 | share of RTN-g64 Δ | quantize wall / CPU s |", "|---|---|---|---|---|"]
+    rtn4_asym = v.get("W4A16 g64 RTN asym", {}).get("ppl")
+    lines = ["| variant | ppl | Δ vs fp32 | share of RTN-g64 Δ (same symmetry) | quantize wall / CPU s |", "|---|---|---|---|---|"]
     for label, e in v.items():
         ppl = e.get("ppl")
         d = f"{(ppl / base - 1) * 100:+.2f}%" if ppl and base else ""
-        share = f"{(ppl - base) / (rtn4 - base):.2f}" if ppl and base and rtn4 and rtn4 > base and "W4" in label else ""
+        ref = rtn4_asym if "asym" in label else rtn4  # judged against RTN of the same symmetry
+        share = f"{(ppl - base) / (ref - base):.2f}" if ppl and base and ref and ref > base and "W4" in label else ""
         q = f"{e['quantize_wall_s']} / {e['quantize_cpu_s']}" if "quantize_wall_s" in e else ""
         lines.append(f"| {label} | {ppl:.4f} | {d} | {share} | {q} |" if ppl else f"| {label} | | | | {q} |")
     if "decode_tok_s" in results:
