@@ -2,8 +2,8 @@
 
 The first forward passes pay for lazy initialisation (allocator pools, kernel selection, CUDA context,
 tokenizer caches); a load balancer that routes on /health would otherwise hand those seconds to real
-users. The requests cover a long prefill (chunked when it exceeds the token budget), a batch of decodes,
-and the sampler's non-greedy paths (temperature, top-p/k, seeds, logprobs).
+users. The requests cover a long prefill, a prefill over a cached prefix, a batch of decodes, and the
+sampler's non-greedy paths (temperature, top-p/k, seeds, logprobs).
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ def warm_up(engine: LLMEngine) -> float:
         engine.add_request(f"warmup-{i}", params=params, prompt_token_ids=ids)
     while engine.has_unfinished_requests():
         engine.step()
+    # a prompt that extends a cached prefix: its prefill attends over cached context, which is its own
+    # compiled kernel on bf16 CPU engines (llmopt.layers.compiled)
+    share = long_len // 2
+    if engine.config.enable_prefix_caching and share >= engine.config.block_size:
+        extra = min(64, engine.max_model_len - share - 1)
+        if extra > 0:
+            ids = prompts[0][:share] + [(11 * i + 1) % vocab for i in range(extra)]
+            engine.add_request("warmup-prefix", params=greedy.model_copy(update={"max_tokens": 1}),
+                               prompt_token_ids=ids)
+            while engine.has_unfinished_requests():
+                engine.step()
     took = time.perf_counter() - t0
     log.info("warm-up done in %.2f s", took)
     return took
