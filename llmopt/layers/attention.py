@@ -45,6 +45,11 @@ class AttentionMetadata:
     compiled: bool = False  # a big low-precision step: use llmopt.layers.compiled's kernels
 
 
+# `causal_attention` holds the whole score matrix (SDPA streams it): past this many query x context
+# positions per chunk (16 MiB of bf16 scores per query head), chunks use SDPA even on compiled steps
+COMPILED_ATTENTION_MAX_SCORES = 2048 * 4096
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int) -> torch.Tensor:
     """q [L, H, D] at positions offset..offset+L-1; k, v [Hkv, C, D] at positions 0..C-1. Returns [L, H*D].
 
@@ -82,25 +87,26 @@ class PagedAttention(nn.Module):
                 kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
                 kc, vc = cache.read(self.layer_idx, chunk.slots)  # [Hkv, ctx, D]
-            if meta.compiled:
+            if meta.compiled and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
                 outs.append(kernels.call(True, causal_attention, q[start:end], kc, vc, self.scale,
                                          chunk.ctx_len - chunk.q_len))
-                start = end
-                continue
-            qc = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            kc, vc = kc.unsqueeze(0), vc.unsqueeze(0)
-            if chunk.mask is None:
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale,
-                                                   enable_gqa=self.gqa)
             else:
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=self.scale,
-                                                   enable_gqa=self.gqa)
-            outs.append(o.squeeze(0).transpose(0, 1).reshape(chunk.q_len, -1))
+                outs.append(self._prefill_sdpa(q[start:end], kc, vc, chunk))
             start = end
         for group in meta.decode_groups:
             outs.append(self._decode(q[start:start + group.size], cache, group))
             start += group.size
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _prefill_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        """q [q_len, H, D]; k, v [Hkv, ctx, D]. Returns [q_len, H*D]."""
+        qc, kc, vc = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # [1, heads, len, D]
+        if chunk.mask is None:
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
+        else:
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=self.scale,
+                                               enable_gqa=self.gqa)
+        return o.squeeze(0).transpose(0, 1).reshape(chunk.q_len, -1)
 
     def _decode(self, q: torch.Tensor, cache: PagedKVCache, group: DecodeGroup) -> torch.Tensor:
         """One query token per sequence: two batched matmuls with the query heads grouped by KV head,
