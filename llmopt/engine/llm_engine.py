@@ -304,13 +304,17 @@ class LLMEngine:
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-            k = min(seq.spec_k or spec.num_speculative_tokens, room)
+            k = min(self._draft_len(seq), room)
             if k <= 0:
                 continue
             if spec.method == "ngram":
                 seq.spec_tokens = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
             else:  # layer_skip / draft: reserve k slots now; the draft fills them after scheduling
                 seq.spec_tokens = [0] * k
+
+    def _draft_len(self, seq: Sequence) -> int:
+        """This request's current k: its adapted draft length, or the configured one until it adapts."""
+        return seq.spec_k or self.spec_config.num_speculative_tokens
 
     def _run_draft(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Fill reserved draft slots with greedy tokens of the self-draft (`layer_skip`) or the separate
@@ -354,9 +358,8 @@ class LLMEngine:
         seq.spec_accepted += accepted
         spec = self.spec_config
         if spec.max_speculative_tokens is not None and drafts:
-            k = seq.spec_k or spec.num_speculative_tokens
-            k = min(spec.max_speculative_tokens, k + 2) if accepted == len(drafts) else max(1, k - 1)
-            seq.spec_k = k
+            k = self._draft_len(seq)
+            seq.spec_k = min(spec.max_speculative_tokens, k + 2) if accepted == len(drafts) else max(1, k - 1)
         if (seq.spec_proposed >= spec.disable_min_drafts
                 and seq.spec_accepted < spec.min_acceptance * seq.spec_proposed):
             seq.spec_disabled = True
