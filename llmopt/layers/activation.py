@@ -9,4 +9,3 @@ import torch.nn.functional as F
 def silu_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = x.split(intermediate_size, dim=-1)
     return F.silu(gate) * up
-
