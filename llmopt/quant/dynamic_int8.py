@@ -1,11 +1,24 @@
 """W8A8 runtime linear: int8 weights (per output channel) times int8 activations quantized per token.
 
-    y = (x_q · W_qᵀ) · s_x[:, None] · s_w[None, :]        x_q = round(x / s_x), s_x = absmax_token(x) / 127
+    y = (x_q · W_qᵀ) · s_x[:, None] · s_w[None, :]
+    s_x = absmax_token(x) / 127.5  (0 → float32 eps),   x_q = round_half_even(clamp(x / s_x, −128, 127))
+
+Activation rounding follows compressed-tensors, the reference implementation of the format our W8A8
+checkpoints declare (`input_activations: {type: int, num_bits: 8, symmetric, strategy: token,
+dynamic: true}`), which transformers runs: `calculate_qparams` (quantization/utils/helpers.py) takes
+scale = max(|min|, |max|) / ((q_max − q_min) / 2) with q_min, q_max = −128, 127 (`calculate_range`),
+replaces a zero scale by the scale dtype's eps, and `round_to_quantized_type_args`
+(quantization/quant_args.py) clamps x / scale to [−128, 127] and rounds half to even — so a
+token's largest positive value maps to 127 and its largest negative one to −128. For float32 inputs
+`quantize_per_token` is bit-exact with that (tests/quant/test_quant_dynamic_int8.py); for bf16 inputs
+we keep the scale and x / scale in float32 where compressed-tensors rounds them to bf16.
+vLLM's int8 kernels (CUDA and CPU `dynamic_scaled_int8_quant`) use absmax / 127 instead, so their
+codes differ from these by at most one step on some elements; no stored tensor depends on the choice.
 
 The int8 × int8 → int32 product runs on `torch._int_mm` (CPU and CUDA in torch 2.13; CUDA needs
 M > 16 and K, N multiples of 8, so small decode batches are padded). Where it is unavailable or fails
 its one-time self-check, the same product is emulated in float32 on the int8 values (exact while
-K·127² < 2²⁴, i.e. K < 1040; beyond that it rounds like an fp32 accumulator would) — the numerics
+K·128·127 < 2²⁴, i.e. K ≤ 1032; beyond that it rounds like an fp32 accumulator would) — the numerics
 are those of W8A8 either way, only the speed differs.
 """
 
@@ -18,14 +31,22 @@ from llmopt.errors import LlmoptError
 from llmopt.quant.linear import _QuantLinear
 from llmopt.quant.qtensor import QuantizedWeight
 
+INT8_MIN = -128.0
 INT8_MAX = 127.0
+# compressed-tensors' symmetric scale divisor: (q_max − q_min) / 2 = 127.5
+ACT_SCALE_DIVISOR = (INT8_MAX - INT8_MIN) / 2
+_FP32_EPS = torch.finfo(torch.float32).eps
 
 
 def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of `x2` [M, K]: (codes int8 [M, K], scales float32 [M, 1])."""
+    """Symmetric int8 per row of `x2` [M, K]: (codes int8 [M, K], scales float32 [M, 1]).
+
+    Rounding as compressed-tensors does for dynamic token-wise int8 (see module doc): x ≈ codes · scale.
+    """
     xf = x2.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=1e-10)
-    return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    scale = xf.abs().amax(dim=1, keepdim=True) / ACT_SCALE_DIVISOR
+    scale = torch.where(scale == 0, torch.full_like(scale, _FP32_EPS), scale)
+    return torch.round(torch.clamp(xf / scale, INT8_MIN, INT8_MAX)).to(torch.int8), scale
 
 
 class Int8DynamicActivationLinear(_QuantLinear):
