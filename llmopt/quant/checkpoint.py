@@ -6,8 +6,9 @@ swapped in as `llmopt.quant.linear` / W8A8 modules (`DequantizedLinear` for floa
 norms, unquantized linears) are materialized and filled. Parts that cannot be merged (different
 schemes, act-order g_idx that differ) run side by side in a `ConcatLinear`.
 
-Also reads calibrated INT8 KV-cache scales (compressed-tensors `kv_cache_scheme` + per-layer
-`self_attn.k_scale` / `v_scale`) for the engine.
+Also reads calibrated INT8 KV-cache scales for the engine: `kv_cache_scales.json` (what llmopt writes
+now, see kv_scales.py), or, from checkpoints written before it, an int8 compressed-tensors
+`kv_cache_scheme` with per-layer `self_attn.k_scale` / `v_scale` tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmopt.models.llama import LlamaForCausalLM
 from llmopt.models.resolve import ResolvedModel, weights_dir
 from llmopt.quant.dequantized import DequantizedLinear
 from llmopt.quant.dynamic_int8 import Int8DynamicActivationLinear
+from llmopt.quant.kv_scales import read_kv_scales
 from llmopt.quant.linear import quantized_linear
 from llmopt.quant.pack_gptq import unpack_gptq
 from llmopt.quant.packing import unpack_int32
@@ -275,14 +277,18 @@ class KVCacheScales:
 
 def kv_cache_scales(resolved: ResolvedModel) -> KVCacheScales | None:
     """The checkpoint's calibrated KV-cache scales, or None when it has none."""
+    s = resolved.spec
+    found = read_kv_scales(resolved.path, s.num_layers, s.num_kv_heads) if resolved.kind == "hf_dir" else None
+    if found is not None:
+        return KVCacheScales("int8", *found)
     qcfg = resolved.quantization_config
     kv = (qcfg or {}).get("kv_cache_scheme")
     if not kv:
         return None
+    # legacy (llmopt before kv_cache_scales.json): int8 kv_cache_scheme + per-layer tensors
     if kv.get("type") != "int" or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic"):
         raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static int8 only)")
     ts = _Tensors(weights_dir(resolved))
-    s = resolved.spec
     k, v = [], []
     for i in range(s.num_layers):
         for store, kind in ((k, "k"), (v, "v")):

@@ -5,6 +5,9 @@ not quantized (embeddings, norms â€” with any AWQ/SmoothQuant folding applied â€
 linears) is written in the dtype it was loaded in, so nothing is lost beyond the quantization itself.
 config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the int4/int8 kernels then run
 on bf16 activations, their fast path; `--dtype float32` still loads every stored tensor exactly.
+
+Calibrated INT8 KV-cache scales go to `kv_cache_scales.json` (llmopt/quant/kv_scales.py), never into
+`quantization_config`: an int8 `kv_cache_scheme` makes vLLM refuse the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from safetensors.torch import save_file
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears
 from llmopt.models.llama import LlamaForCausalLM
+from llmopt.quant.kv_scales import KV_SCALES_FILE, write_kv_scales
 from llmopt.quant.pack_compressed import (
     compressed_config_group,
     compressed_quantization_config,
@@ -34,14 +38,10 @@ from llmopt.quant.targets import Target, hf_parts
 
 WEIGHTS_FILE = "model.safetensors"
 COMPUTE_DTYPE = "bfloat16"
-_SKIP_COPY = {"config.json", "model.safetensors.index.json", "quantization_report.json"}
+_SKIP_COPY = {"config.json", "model.safetensors.index.json", "quantization_report.json", KV_SCALES_FILE}
 
 INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
     "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None,
-}
-KV_CACHE_INT8: dict[str, Any] = {
-    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "attn_head", "dynamic": False,
-    "observer": "minmax",
 }
 
 
@@ -84,7 +84,7 @@ def _module_tensors(qm: QuantizedModule, fmt: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _compressed_config(targets: list[Target], act_order: bool, kv_cache: bool) -> dict[str, Any]:
+def _compressed_config(targets: list[Target], act_order: bool) -> dict[str, Any]:
     by_scheme: dict[ModuleScheme, list[str]] = {}
     ignore: list[str] = []
     for t in targets:
@@ -100,8 +100,7 @@ def _compressed_config(targets: list[Target], act_order: bool, kv_cache: bool) -
             g["input_activations"] = dict(INT8_TOKEN_ACTIVATIONS)
             g["format"] = "int-quantized"
         groups[f"group_{i}"] = g
-    return compressed_quantization_config(groups, ignore=ignore, kv_cache_scheme=dict(KV_CACHE_INT8) if kv_cache
-                                          else None)
+    return compressed_quantization_config(groups, ignore=ignore, kv_cache_scheme=None)
 
 
 def _gptq_config(targets: list[Target], act_order: bool, damp: float) -> dict[str, Any]:
@@ -118,28 +117,25 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float) -> dict[st
                                     damp_percent=damp)
 
 
-def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,
-                        kv_cache: bool) -> dict[str, Any]:
+def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float) -> dict[str, Any]:
     """config.json's `quantization_config` (raises early when the format cannot express the plan)."""
     if fmt == "gptq":
         return _gptq_config(targets, act_order, damp)
-    return _compressed_config(targets, act_order, kv_cache)
+    return _compressed_config(targets, act_order)
 
 
 def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any], model: LlamaForCausalLM,
                      targets: list[Target], modules: dict[str, QuantizedModule], fmt: str, act_order: bool,
                      damp: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Write tensors, config.json (with quantization_config), tokenizer and generation config to `out`."""
+    """Write tensors, config.json (with quantization_config), tokenizer and generation config to `out`,
+    and `kv_cache_scales.json` when `kv_scales` ([layers, kv_heads] K and V scales) are given."""
     tensors = float_tensors(model, targets)
     for qm in modules.values():
         tensors.update(_module_tensors(qm, fmt))
-    if kv_scales is not None:
-        k, v = kv_scales
-        for i in range(k.shape[0]):
-            tensors[f"model.layers.{i}.self_attn.k_scale"] = k[i].float().reshape(-1, 1, 1).contiguous()
-            tensors[f"model.layers.{i}.self_attn.v_scale"] = v[i].float().reshape(-1, 1, 1).contiguous()
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    qcfg = quantization_config(targets, fmt, act_order, damp, kv_scales is not None)
+    if kv_scales is not None:
+        write_kv_scales(out, *kv_scales)
+    qcfg = quantization_config(targets, fmt, act_order, damp)
     cfg = dict(source_config)
     cfg["quantization_config"] = qcfg
     cfg["torch_dtype"] = COMPUTE_DTYPE

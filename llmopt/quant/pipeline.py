@@ -77,7 +77,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     model = load_model(resolved, torch.float32, device)
     load_s = time.perf_counter() - t0
     targets, notes = plan_targets(model, cfg)
-    quantization_config(targets, cfg.format, cfg.act_order, cfg.damp, cfg.kv_cache is not None)  # fail early
+    quantization_config(targets, cfg.format, cfg.act_order, cfg.damp)  # fail early
     tokenizer = load_tokenizer(directory)
     for note in notes:
         console.print(f"[cyan]note:[/] {note}", highlight=False)

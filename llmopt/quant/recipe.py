@@ -137,9 +137,6 @@ class QuantizeConfig(BaseModel):
             if self.scheme in ("fp8", "w8a8"):
                 raise ValueError(f"the gptq format holds int weight-only schemes (w4a16, w8a16), not {self.scheme}; "
                                  "use --format compressed-tensors")
-            if self.kv_cache:
-                raise ValueError("KV-cache scales are stored as compressed-tensors' kv_cache_scheme; "
-                                 "use --format compressed-tensors")
         return self
 
     @property

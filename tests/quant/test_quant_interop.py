@@ -54,14 +54,70 @@ def test_compressed_tensors_library_decompresses_our_checkpoint_exactly(tiny_lla
         assert f"{hf}.weight" in tensors or hf == "lm_head"
 
 
-def test_kv_cache_scheme_is_valid_for_the_library(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq"])
+def test_int8_kv_scales_stay_out_of_quantization_config(tiny_llama, tmp_path, monkeypatch, fmt):
+    """vLLM refuses a checkpoint whose kv_cache_scheme is int8, so the scales live in llmopt's own
+    kv_cache_scales.json: no kv_cache_scheme, no k_scale/v_scale tensors, and our engine still reads them."""
+    from llmopt import LLM
+    from llmopt.quant.kv_scales import KV_SCALES_FILE
+
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", format=fmt, kv_cache="int8", **calib_options())
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg.get("kv_cache_scheme") is None
+    if fmt == "compressed-tensors":
+        QuantizationConfig.model_validate(cfg)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert not [k for k in tensors if k.endswith(("k_scale", "v_scale"))]
+    doc = json.loads((out / KV_SCALES_FILE).read_text())
+    assert (doc["num_layers"], doc["num_kv_heads"]) == (2, 2)
+    cache = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16).engine.kv_cache
+    assert cache.quantized
+    assert torch.equal(cache.static_k_scale.cpu(), torch.tensor(doc["k_scale"], dtype=torch.float32))
+    assert torch.equal(cache.static_v_scale.cpu(), torch.tensor(doc["v_scale"], dtype=torch.float32))
+
+
+def test_legacy_int8_kv_cache_scheme_checkpoints_still_load(tiny_llama, tmp_path, monkeypatch):
+    """Checkpoints written before kv_cache_scales.json (int8 kv_cache_scheme + per-layer tensors)."""
+    from safetensors.torch import save_file
+
+    from llmopt.models.resolve import resolve_model
+    from llmopt.quant.checkpoint import kv_cache_scales
+    from llmopt.quant.kv_scales import KV_SCALES_FILE
+
     out = tmp_path / "q"
     quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", kv_cache="int8", **calib_options())
-    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    qcfg = QuantizationConfig.model_validate(cfg)
-    assert qcfg.kv_cache_scheme.num_bits == 8 and qcfg.kv_cache_scheme.strategy == "attn_head"
+    new = kv_cache_scales(resolve_model(str(out)))
+    assert new is not None
+    (out / KV_SCALES_FILE).unlink()
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "attn_head", "dynamic": False,
+        "observer": "minmax"}
+    (out / "config.json").write_text(json.dumps(cfg))
     tensors = load_file(str(out / "model.safetensors"))
-    assert tensors["model.layers.1.self_attn.k_scale"].shape == (2, 1, 1)
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = new.k_scale[i].reshape(-1, 1, 1).contiguous()
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = new.v_scale[i].reshape(-1, 1, 1).contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    old = kv_cache_scales(resolve_model(str(out)))
+    assert old is not None
+    assert torch.equal(old.k_scale, new.k_scale) and torch.equal(old.v_scale, new.v_scale)
+
+
+def test_a_bad_kv_scales_file_is_one_clear_error(tiny_llama, tmp_path, monkeypatch):
+    from llmopt.errors import LlmoptError
+    from llmopt.models.resolve import resolve_model
+    from llmopt.quant.checkpoint import kv_cache_scales
+    from llmopt.quant.kv_scales import KV_SCALES_FILE
+
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", kv_cache="int8", **calib_options(2, 32))
+    doc = json.loads((out / KV_SCALES_FILE).read_text())
+    doc["k_scale"] = doc["k_scale"][:1]
+    (out / KV_SCALES_FILE).write_text(json.dumps(doc))
+    with pytest.raises(LlmoptError, match=r"k_scale is \[1, 2\], the model has 2 layers x 2 KV heads"):
+        kv_cache_scales(resolve_model(str(out)))
 
 
 def test_transformers_parses_our_gptq_config(tiny_llama, tmp_path, monkeypatch):

@@ -44,7 +44,6 @@ def test_presets():
     ({"scheme": "w8a8", "symmetric": False}, "symmetric"),
     ({"scheme": "w4a16", "act_order": True}, "act-order"),
     ({"scheme": "fp8", "format": "gptq"}, "gptq format"),
-    ({"scheme": "w4a16", "format": "gptq", "kv_cache": "int8"}, "kv_cache_scheme"),
     ({"scheme": "w4a16", "ignore": ["("]}, "bad regex"),
     ({"scheme": "w4a16", "override": ["mlp=w3"]}, "unknown scheme"),
     ({"scheme": "w4a16", "override": ["mlp"]}, "REGEX=SCHEME"),
