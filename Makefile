@@ -34,11 +34,15 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check llmopt tests benchmarks
 
+# Tests start cold, like a fresh machine: an empty LLMOPT_CACHE and HF cache in a temp folder (the
+# embedded GGUF is converted once per run, in seconds), so a warm ~/.cache can never make them pass.
+COLD = cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; LLMOPT_CACHE="$$cache/llmopt" HF_HOME="$$cache/hf"
+
 test: lint
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	@$(COLD) $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+	@$(COLD) $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -6,6 +6,7 @@ on a different model or tokenizer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,12 +39,11 @@ class ModelIdentity(BaseModel):
 
     @classmethod
     def of(cls, resolved: ResolvedModel, directory: Path) -> ModelIdentity:
-        cfg = json.dumps(resolved.config, sort_keys=True, default=str).encode()
-        import hashlib
-
+        """Hash what is on disk in the weights `directory`, never an in-memory config: the same model
+        must get the same identity whichever path built it (a cold GGUF conversion or a warm cache)."""
         return cls(
             source=resolved.source,
-            config_sha256=hashlib.sha256(cfg).hexdigest(),
+            config_sha256=_config_sha256(directory / "config.json"),
             weights=[FileHash(path=f.name, sha256=file_sha256(f)) for f in sorted(directory.glob("*.safetensors"))],
             tokenizer=[FileHash(path=n, sha256=file_sha256(directory / n)) for n in _TOKENIZER_FILES
                        if (directory / n).is_file()],
@@ -56,6 +56,15 @@ class ModelIdentity(BaseModel):
         if self.tokenizer != other.tokenizer:
             return "different tokenizer"
         return None
+
+
+def _config_sha256(path: Path) -> str:
+    """sha256 of a config.json's content, key order and whitespace normalized."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlmoptError(f"cannot read {path}: {e}") from None
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
 
 
 class DataRecord(BaseModel):

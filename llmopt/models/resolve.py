@@ -100,10 +100,26 @@ def _gguf_config(gguf: Path) -> dict[str, Any]:
         cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:  # transformers raises many kinds for a bad file
         raise LlmoptError(f"cannot read GGUF metadata from {gguf}: {str(e).splitlines()[0]}") from None
+    return _plain_config(cfg)
+
+
+def _plain_config(cfg) -> dict[str, Any]:
+    """The config.json that `_convert_gguf` writes, built the same way whether or not the cache is warm.
+
+    A cold `resolve_model` reads GGUF metadata and a warm one reads the cached config.json back; both
+    must give the same dict (the model identity of a calibration hashes it), so this is the only
+    place that shapes it, and the JSON round trip makes it exactly what a later read returns.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     d = cfg.to_dict()
     d.pop("quantization_config", None)
+    d.pop("_name_or_path", None)
     d["dtype"] = "float32"  # GGUF tensors are dequantized to fp32
-    return d
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(d.get("model_type"))
+    if arch:
+        d["architectures"] = [arch]
+    return json.loads(json.dumps(d))
 
 
 def resolve_model(model: str | None = None) -> ResolvedModel:
@@ -162,10 +178,7 @@ def _convert_gguf(gguf: Path) -> Path:
         from safetensors.torch import save_file
 
         # save_pretrained refuses GGUF-quantized models, so write the plain HF layout ourselves.
-        cfg = model.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg.pop("_name_or_path", None)
-        cfg["dtype"] = "float32"
+        cfg = _plain_config(model.config)
         cfg["architectures"] = [type(model).__name__]
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if cfg.get("tie_word_embeddings"):
