@@ -323,8 +323,22 @@ def serve(
     run_server(engine_config, config, model)
 
 
-@app.command()
+def _one_flag_per_source(flag: str, given: list[str], model: str | None, extra: list[str]) -> None:
+    """`FLAG A B` parses B as an extra argument (or as MODEL when none is given): say to repeat the flag."""
+    from llmopt.calibrate.sources import looks_like_data
+
+    stray = extra[0] if extra else (model if model is not None and given and looks_like_data(model) else None)
+    if stray is None:
+        return
+    if not given:
+        raise LlmoptError(f"unexpected extra argument {stray!r} (one MODEL at most)")
+    raise LlmoptError(f"unexpected extra argument {stray!r}: {flag} takes one source; repeat the flag for "
+                      f"several ({flag} {given[-1]} {flag} {stray})")
+
+
+@app.command(context_settings={"allow_extra_args": True})
 def calibrate(
+    ctx: typer.Context,
     model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
     data: list[str] = typer.Option(..., "--data", help="PATH[:WEIGHT]: text/jsonl/csv/parquet file, directory or "
                                    "datasets name; repeat to mix sources by weight."),
@@ -345,6 +359,7 @@ def calibrate(
 
     from llmopt.calibrate import CalibrateConfig, run_calibration
 
+    _one_flag_per_source("--data", data, model, ctx.args)
     cfg = CalibrateConfig(model=model, data=data, num_samples=num_samples, seq_len=seq_len, observer=observer,
                           percentile=percentile, seed=seed, chat_template=chat_template, eval_data=eval_data,
                           allow_overlap=allow_overlap, output=Path(output), overwrite=overwrite, device=device)
@@ -352,8 +367,9 @@ def calibrate(
     console.print(f"calibrated on {m.num_windows} windows × {m.seq_len} tokens → {output}")
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def quantize(
+    ctx: typer.Context,
     model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
     scheme: str = typer.Option(..., "--scheme", help="w8a16|w4a16|fp8|w8a8"),
     method: str = typer.Option("rtn", help="rtn|gptq|awq"),
@@ -366,7 +382,8 @@ def quantize(
                                        "them the checkpoint has a g_idx (needs --format gptq)."),
     mse: bool = typer.Option(False, "--mse", help="GPTQ: pick each group's range by MSE shrink search."),
     calib: Optional[str] = typer.Option(None, "--calib", help="CALIB_DIR from `llmopt calibrate`."),
-    calib_data: list[str] = typer.Option([], "--calib-data", help="PATH[:WEIGHT] to sample calibration data from."),
+    calib_data: list[str] = typer.Option([], "--calib-data", help="PATH[:WEIGHT] to sample calibration data from; "
+                                         "repeat the flag to mix sources (--calib-data A --calib-data B)."),
     num_samples: int = typer.Option(128, help="Windows for --calib-data."),
     seq_len: int = typer.Option(512, help="Tokens per window for --calib-data."),
     ignore: list[str] = typer.Option([], "--ignore", help="REGEX over HF module names to leave unquantized "
@@ -385,6 +402,7 @@ def quantize(
     from llmopt.quant.pipeline import quantize_model
     from llmopt.quant.recipe import QuantizeConfig
 
+    _one_flag_per_source("--calib-data", calib_data, model, ctx.args)
     cfg = QuantizeConfig(model=model, scheme=scheme, method=method, group_size=group_size, symmetric=sym,
                          act_order=act_order, static_groups=static_groups, mse=mse,
                          calib=Path(calib) if calib else None, calib_data=calib_data,

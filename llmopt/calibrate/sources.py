@@ -2,11 +2,16 @@
 
 Everything is read through `datasets.load_dataset` (the same reader `eval` uses), so one code path
 handles every format; a source is `PATH` or `PATH:WEIGHT` (the weight sets its share of the mix).
+
+In a *directory* source, files without a text column (e.g. the eval sets kept next to the
+calibration texts in `calibration_data/`) are skipped with a warning; a file named on its own that has
+no text column is an error.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +22,15 @@ from llmopt.errors import LlmoptError
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
              ".csv": "csv", ".parquet": "parquet"}
 TEXT_FIELDS = ("text", "content", "document")
+
+
+def looks_like_data(spec: str) -> bool:
+    """Whether `spec` (PATH or PATH:WEIGHT) names calibration data rather than a model: a data-format
+    file (not a config.json) or an existing directory without a config.json."""
+    p = Path(DataSource.parse(spec).path).expanduser()
+    if p.is_dir():
+        return not (p / "config.json").is_file()
+    return p.suffix.lower() in _BUILDERS and p.name != "config.json"
 
 
 class DataSource(BaseModel):
@@ -82,23 +96,49 @@ def _load(builder: str, files: list[str] | None = None, name: str | None = None)
         raise LlmoptError(f"cannot read {where}: {first}") from None
 
 
+class NoTextColumn(LlmoptError):
+    """A tabular file without any of TEXT_FIELDS (or `messages` with a chat template)."""
+
+
 def _rows_to_texts(ds, where: str, tokenizer=None) -> list[str]:
     cols = set(ds.column_names)
     if "messages" in cols and tokenizer is not None:
         return [tokenizer.apply_chat_template(m, tokenize=False) for m in ds["messages"] if m]
     field = next((f for f in TEXT_FIELDS if f in cols), None)
     if field is None:
-        raise LlmoptError(f"{where}: no text column (looked for {', '.join(TEXT_FIELDS)}; found "
-                          f"{', '.join(sorted(cols)) or 'none'})")
+        raise NoTextColumn(f"{where}: no text column (looked for {', '.join(TEXT_FIELDS)}; found "
+                           f"{', '.join(sorted(cols)) or 'none'})")
     return [t for t in ds[field] if isinstance(t, str)]
 
 
-def load_texts(source: DataSource, tokenizer=None) -> list[str]:
-    """All non-empty texts of one source (`messages` rows are rendered with the chat template)."""
+def _print_warning(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
+
+
+def load_texts(source: DataSource, tokenizer=None, warn: Callable[[str], None] | None = None) -> list[str]:
+    """All non-empty texts of one source (`messages` rows are rendered with the chat template).
+
+    Files of a directory source that have no text column are skipped, each with one `warn(message)`
+    (default: a warning line on stderr); an explicitly named file without one raises.
+    """
     if not source.is_local:
         return [t for t in _rows_to_texts(_load("", name=source.path), source.path, tokenizer) if t.strip()]
+    in_dir = Path(source.path).expanduser().is_dir()
     texts: list[str] = []
-    for f in source.files():
+    files = source.files()
+    skipped = 0
+    for f in files:
         builder = _BUILDERS[f.suffix.lower()]
-        texts.extend(_rows_to_texts(_load(builder, [str(f)]), str(f), tokenizer))
+        try:
+            texts.extend(_rows_to_texts(_load(builder, [str(f)]), str(f), tokenizer))
+        except NoTextColumn as e:
+            if not in_dir:
+                raise
+            skipped += 1
+            (warn or _print_warning)(f"{e}; skipped (a directory source uses only its files with text)")
+    if in_dir and skipped == len(files):
+        raise LlmoptError(f"{source.path}: none of its {len(files)} data files has a text column "
+                          f"({', '.join(TEXT_FIELDS)})")
     return [t for t in texts if t.strip()]

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from _pipeline_helpers import KB_CALIB
 
 from llmopt.calibrate.overlap import build_eval_index, find_overlaps
 from llmopt.calibrate.run import CalibrationDataConfig, sample_windows
@@ -118,3 +119,57 @@ def test_eval_overlap_is_an_error_unless_allowed(corpus, tok, tmp_path):
     ctx = tmp_path / "ctx.jsonl"
     ctx.write_text(json.dumps({"context": "over 21 lazy dogs", "question": "q?"}) + "\n")
     assert find_overlaps([DOCS[3]], build_eval_index([str(ctx)]))
+
+
+def test_a_directory_source_skips_files_without_a_text_column(corpus):
+    d = corpus / "mixed"
+    d.mkdir()
+    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[:5]))
+    (d / "eval.jsonl").write_text(json.dumps({"question": "q?", "answer": "a"}) + "\n")
+    warned: list[str] = []
+    assert load_texts(DataSource(path=str(d)), warn=warned.append) == DOCS[:5]
+    assert len(warned) == 1 and "eval.jsonl: no text column" in warned[0] and "skipped" in warned[0]
+    with pytest.raises(LlmoptError, match=r"eval\.jsonl: no text column \(looked for text, content, document; "
+                                          r"found answer, question\)"):
+        load_texts(DataSource(path=str(d / "eval.jsonl")))  # named on its own: still an error
+    (d / "docs.jsonl").unlink()
+    with pytest.raises(LlmoptError, match="none of its 1 data files has a text column"):
+        load_texts(DataSource(path=str(d)), warn=warned.append)
+
+
+def test_the_shipped_calibration_data_folder_is_a_usable_source(capsys):
+    """calibration_data/ keeps the eval sets (kb_gen, kb_mc: no text column) next to the texts."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "calibration_data"
+    texts = load_texts(DataSource(path=str(folder)))
+    err = capsys.readouterr().err
+    assert "kb_gen.jsonl: no text column" in err and "kb_mc.jsonl: no text column" in err
+    assert "kb_calibration.jsonl" not in err and len(texts) > 300
+
+
+@pytest.mark.parametrize("cmd, flag", [("quantize", "--calib-data"), ("calibrate", "--data")])
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "no-model"])
+def test_two_paths_after_one_flag_say_to_repeat_it(tiny_llama, tmp_path, monkeypatch, capsys, cmd, flag, with_model):
+    """Typer options take one value: `FLAG A B` leaves B over (or takes it as MODEL when none is given)."""
+    from tests.cli_runner import run_cli
+
+    a, b = str(KB_CALIB), str(KB_CALIB.parent / "general_prose.jsonl")
+    model = [str(tiny_llama)] if with_model else []
+    scheme = ["--scheme", "w8a8"] if cmd == "quantize" else []
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, cmd, *model, *scheme, flag, a, b, "-o", str(out))
+    assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert f"unexpected extra argument {b!r}" in err and f"({flag} {a} {flag} {b})" in err
+    assert not out.exists()
+
+
+def test_calibrate_on_the_shipped_folder_skips_the_eval_sets(tiny_llama, tmp_path, monkeypatch, capsys):
+    from tests.cli_runner import run_cli
+
+    out = tmp_path / "calib"
+    code, stdout, err = run_cli(monkeypatch, capsys, "calibrate", str(tiny_llama), "--data", str(KB_CALIB.parent),
+                                "--num-samples", "2", "--seq-len", "32", "--device", "cpu", "-o", str(out))
+    assert code == 0, err
+    assert "kb_gen.jsonl: no text column" in err and "skipped" in err
+    assert (out / "manifest.json").is_file() and "calibrated on 2 windows" in stdout
