@@ -18,6 +18,7 @@ from llmopt.calibrate.run import DTYPES, CalibrationDataConfig, sample_windows
 from llmopt.calibrate.stats import SavedStats
 from llmopt.errors import LlmoptError
 from llmopt.quant.atomic import atomic_directory, check_output_dir
+from llmopt.quant.deploy import deployment
 from llmopt.quant.export import WEIGHTS_FILE, quantization_config, write_checkpoint
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.report import ModuleReport, QuantReport
@@ -110,6 +111,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             modules=[ModuleReport.of(qm) for qm in result.modules.values()],
             ignored=[hf for t in targets if t.scheme is None for hf in t.parts],
             timings_s={k: round(v, 3) for k, v in timings.items()},
-            bytes_before=bytes_before, bytes_after=(tmp / WEIGHTS_FILE).stat().st_size, notes=notes)
+            bytes_before=bytes_before, bytes_after=(tmp / WEIGHTS_FILE).stat().st_size, notes=notes,
+            deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
+                                  kv_cache=cfg.kv_cache is not None))
         report.write(tmp / REPORT)
     return report

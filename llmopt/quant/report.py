@@ -2,7 +2,8 @@
 
 Per module: the scheme, the method that actually ran, the relative weight error ‖Ŵ−W‖/‖W‖ and,
 with calibration data, the relative output error ‖X(Ŵ−W)ᵀ‖/‖XWᵀ‖ on a sample of the module's real
-inputs (after any AWQ/SmoothQuant scaling, which leaves XWᵀ unchanged).
+inputs (after any AWQ/SmoothQuant scaling, which leaves XWᵀ unchanged). `deployment` says which tools
+and vLLM backends run the checkpoint (llmopt/quant/deploy.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmopt import __version__
+from llmopt.quant.deploy import describe
 from llmopt.quant.sequential import QuantizedModule
 from llmopt.units import format_bytes
 
@@ -50,6 +52,7 @@ class QuantReport(BaseModel):
     bytes_before: int
     bytes_after: int
     notes: list[str] = []
+    deployment: dict[str, Any] = {}
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n")
@@ -70,6 +73,11 @@ class QuantReport(BaseModel):
         t.add_row("weight error", f"mean {sum(werrs) / len(werrs):.4f}, max {max(werrs):.4f} (relative)")
         for stage, s in self.timings_s.items():
             t.add_row(f"time: {stage}", f"{s:.1f} s")
+        if self.deployment:
+            for tool, line in describe(self.deployment):
+                t.add_row(f"runs on {tool}", line)
+            for note in self.deployment.get("notes", []):
+                t.add_row("note", note)
         for note in self.notes:
             t.add_row("note", note)
         console.print(t)

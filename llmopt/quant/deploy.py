@@ -1,0 +1,133 @@
+"""Where a checkpoint runs: the one table of which tools and vLLM backends load each scheme we write.
+
+`llmopt quantize` puts the answer for its plan into the printed summary, `--json` and
+quantization_report.json (`deployment`), and docs/QUANTIZE.md shows the same table. Each cell says
+whether the tool runs the scheme (True, False, or None: not measured and not known), how (kernel or
+loader) or why not, and whether that was measured (transformers 5.24 + compressed-tensors 0.20 and
+vLLM CPU 0.32 on real checkpoints, greedy fp32 / bf16) or read from vLLM's scheme selection.
+
+A plan with several schemes (`--override`) runs where all of them run (`combine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmopt.quant.recipe import ModuleScheme
+
+TOOLS = ("transformers", "vllm_cuda", "vllm_cpu")
+TOOL_NAMES = {"transformers": "transformers", "vllm_cuda": "vLLM CUDA", "vllm_cpu": "vLLM CPU"}
+
+
+@dataclass(frozen=True)
+class Cell:
+    runs: bool | None
+    how: str
+    measured: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"runs": self.runs, "how": self.how, "measured": self.measured}
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    transformers: Cell
+    vllm_cuda: Cell
+    vllm_cpu: Cell
+
+    def cell(self, tool: str) -> Cell:
+        return getattr(self, tool)
+
+
+_CT = "compressed-tensors (decompresses on load)"
+_CPU_WNA16 = "CPUWNA16 takes only uint4 / uint4b8"
+
+TABLE: dict[str, Row] = {r.key: r for r in (
+    Row("ct-w8a16", "w8a16, compressed-tensors (int8 weight-only, sym)",
+        Cell(True, _CT + "; greedy equals llmopt", True),
+        Cell(True, "Marlin / Machete (uint8b128, sm80+)"),
+        Cell(False, f"no CPU kernel for uint8b128: {_CPU_WNA16}", True)),
+    Row("ct-w8a16-asym", "w8a16 --asym, compressed-tensors",
+        Cell(False, "transformers 5.24 allocates weight_zero_point unpacked and rejects the packed tensor "
+                    "(the compressed-tensors library itself reads it)", True),
+        Cell(None, "vLLM's int8 weight-only kernels take symmetric uint8b128; asymmetric int8 is untested"),
+        Cell(False, f"no CPU kernel for 8-bit weights: {_CPU_WNA16}")),
+    Row("ct-w4a16", "w4a16, compressed-tensors (int4 weight-only, sym)",
+        Cell(True, _CT + "; greedy equals llmopt", True),
+        Cell(True, "Marlin / Machete (uint4b8, sm80+)"),
+        Cell(True, "CPUWNA16 (uint4b8); perplexity within 0.2% of llmopt", True)),
+    Row("ct-w4a16-asym", "w4a16 --asym, compressed-tensors",
+        Cell(False, "transformers 5.24 allocates weight_zero_point unpacked and rejects the packed tensor "
+                    "(the compressed-tensors library itself reads it)", True),
+        Cell(True, "Marlin (uint4 with zero points, sm80+)"),
+        Cell(True, "CPUWNA16 (uint4 with zero points)")),
+    Row("ct-fp8", "fp8, compressed-tensors (float8 e4m3 weight-only, per channel)",
+        Cell(True, _CT + "; greedy equals llmopt", True),
+        Cell(True, "W8A8-FP8 on sm89+ (dynamic fp8 activations), FP8 Marlin weight-only on sm80-sm88"),
+        Cell(False, "no ScaledMM kernel for fp8 on CPU", True)),
+    Row("ct-w8a8", "w8a8, compressed-tensors (int8 weights, dynamic per-token int8 activations)",
+        Cell(True, "compressed-tensors: int8 weights decompressed, activations fake-quantized per token; "
+                   "same rounding as llmopt (absmax/127.5)", True),
+        Cell(True, "CUTLASS int8 scaled_mm (sm75+); activations rounded with absmax/127, one step off on "
+                   "some codes"),
+        Cell(True, "loads (oneDNN int8 scaled_mm); activations rounded with absmax/127", True)),
+    Row("gptq-w4", "w4a16, gptq format",
+        Cell(True, "needs optimum + gptqmodel (pin gptqmodel<7.7: newer pulls a CUDA torch); greedy equals "
+                   "llmopt", True),
+        Cell(True, "gptq_marlin (sm80+), exllama / gptq kernels below"),
+        Cell(True, "loads", True)),
+    Row("gptq-w8", "w8a16, gptq format",
+        Cell(True, "needs optimum + gptqmodel (pin gptqmodel<7.7)"),
+        Cell(True, "gptq_marlin (uint8b128, sm80+)"),
+        Cell(None, f"{_CPU_WNA16}, so expect no kernel")),
+)}
+
+KV_NOTE = ("INT8 KV-cache scales are in kv_cache_scales.json, read by llmopt only; transformers and vLLM load "
+           "the weights and run their own KV cache (vLLM: --kv-cache-dtype auto or fp8)")
+
+
+def row_key(scheme: ModuleScheme, fmt: str) -> str:
+    """The TABLE key of one module scheme written in `fmt`."""
+    w = scheme.weights
+    if fmt == "gptq":
+        return f"gptq-w{w.bits}"
+    if w.kind == "fp8":
+        return "ct-fp8"
+    if scheme.int8_activations:
+        return "ct-w8a8"
+    return f"ct-w{w.bits}a16" + ("" if w.symmetric else "-asym")
+
+
+def combine(cells: list[Cell]) -> Cell:
+    """One cell for a checkpoint mixing schemes: it runs only where every scheme runs."""
+    if any(c.runs is False for c in cells):
+        bad = [c for c in cells if c.runs is False]
+        return Cell(False, "; ".join(dict.fromkeys(c.how for c in bad)), all(c.measured for c in bad))
+    if any(c.runs is None for c in cells):
+        return Cell(None, "; ".join(dict.fromkeys(c.how for c in cells if c.runs is None)))
+    return Cell(True, "; ".join(dict.fromkeys(c.how for c in cells)), all(c.measured for c in cells))
+
+
+def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: bool = False) -> dict[str, Any]:
+    """The report's `deployment` entry for a checkpoint holding `schemes` in format `fmt`."""
+    keys = list(dict.fromkeys(row_key(s, fmt) for s in schemes))
+    rows = [TABLE[k] for k in keys]
+    out: dict[str, Any] = {"schemes": keys}
+    for tool in TOOLS:
+        out[tool] = combine([r.cell(tool) for r in rows]).to_json()
+    out["notes"] = [KV_NOTE] if kv_cache else []
+    return out
+
+
+def describe(dep: dict[str, Any]) -> list[tuple[str, str]]:
+    """(tool name, 'yes — how' / 'no — why' / 'unknown — ...') lines for the printed summary."""
+    word = {True: "yes", False: "no", None: "unknown"}
+    lines = []
+    for tool in TOOLS:
+        c = dep[tool]
+        tag = "measured" if c["measured"] else "not measured"
+        lines.append((TOOL_NAMES[tool], f"{word[c['runs']]}: {c['how']} ({tag})"))
+    return lines
