@@ -240,6 +240,14 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return sum(1 for r in self.requests.values() if not r.finished)
 
+    def free_capacity(self) -> tuple[int, int]:
+        """(sequence slots, KV blocks) free for sequences not scheduled yet, so a server can tell a request
+        that starts at the next step from one that has to wait. A preempted sequence keeps its slot (it is
+        queued to resume); evictable prefix-cache blocks count as free, as the scheduler counts them."""
+        sched = self.scheduler
+        held = len(sched.running) + sum(1 for s in sched.waiting if s.metrics.first_scheduled_time is not None)
+        return max(0, sched.max_num_seqs - held), self.block_manager.num_free_blocks
+
     # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

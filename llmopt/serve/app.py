@@ -40,7 +40,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig, model_name: s
     admission = AdmissionController(metrics, max_waiting=config.max_waiting,
                                     max_queued_tokens=config.max_queued_tokens, retry_after_s=config.retry_after_s,
                                     degrade_waiting=config.degrade_waiting,
-                                    degrade_min_priority=config.degrade_min_priority)
+                                    degrade_min_priority=config.degrade_min_priority,
+                                    block_size=engine_config.block_size)
     auth = ApiKeyAuth(config.api_keys, config.api_key_priorities)
     cache = SemanticCache(config.semantic_cache, ttl_s=config.semantic_cache_ttl_s,
                           threshold=config.semantic_cache_threshold, on_hit=metrics.cache_hit)
@@ -55,7 +56,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig, model_name: s
 
     loop = EngineLoop(factory, warmup=warm_up if config.warmup else None, stat_listeners=[metrics.on_step],
                       aging_s=config.priority_aging_s if config.enable_priorities else None,
-                      is_degraded=lambda: admission.degraded)
+                      is_degraded=lambda: admission.degraded, on_capacity=admission.set_capacity)
     state = ServerState(engine_config, config, model_name, metrics, admission, auth, loop, cache)
     holder["state"] = state
     return state

@@ -4,6 +4,8 @@ The engine is not thread-safe, so exactly one thread builds it, warms it up and 
 thread-safe queue of commands (add, abort), steps while there is work, and hands each step's outputs to
 the asyncio loop in one `call_soon_threadsafe` per step. Outputs are turned into immutable `StreamEvent`s
 here, on the engine thread, because a `RequestOutput` shares lists (logprobs) that later steps extend.
+The engine's free capacity (sequence slots, KV blocks) travels in the same call whenever it changed, so
+admission sees it together with the events of the step that produced it, never half a step apart.
 
 Priority aging also lives here, since it rewrites the priority of queued sequences: a request's engine
 priority improves by one class per `aging_s` seconds since its arrival, which bounds starvation.
@@ -108,8 +110,12 @@ class EngineLoop:
     def __init__(self, engine_factory: Callable[[], LLMEngine], *,
                  warmup: Callable[[LLMEngine], None] | None = None,
                  stat_listeners: list[Callable[[StepStats], None]] | None = None,
-                 aging_s: float | None = None, is_degraded: Callable[[], bool] | None = None):
+                 aging_s: float | None = None, is_degraded: Callable[[], bool] | None = None,
+                 on_capacity: Callable[[int, int], None] | None = None):
+        """`on_capacity(free_seqs, free_blocks)` runs on the asyncio loop, after the events of the same step."""
         self._factory = engine_factory
+        self._on_capacity = on_capacity
+        self._capacity: tuple[int, int] | None = None  # engine thread only: the last one posted
         self._is_degraded = is_degraded
         self._warmup = warmup
         self._listeners = list(stat_listeners or [])
@@ -153,17 +159,26 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _deliver(self, batch: list[tuple[EventSink, StreamEvent]]) -> None:
+    def _deliver(self, batch: list[tuple[EventSink, StreamEvent]], capacity: tuple[int, int] | None) -> None:
         for sink, ev in batch:
             if ev.finished:
                 self.active.discard(ev.request_id)
             sink.put(ev)
+        if capacity is not None and self._on_capacity is not None:
+            self._on_capacity(*capacity)
 
     # ---- engine thread ------------------------------------------------------------------------
     def _post(self, batch: list[tuple[EventSink, StreamEvent]]) -> None:
-        if batch and self._loop is not None:
+        """Hand events to the asyncio loop, with the engine's free capacity at this moment if it changed."""
+        assert self.engine is not None
+        capacity = self.engine.free_capacity()
+        if capacity == self._capacity:
+            capacity = None
+        if (batch or capacity is not None) and self._loop is not None:
+            if capacity is not None:
+                self._capacity = capacity
             try:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+                self._loop.call_soon_threadsafe(self._deliver, batch, capacity)
             except RuntimeError:  # the event loop is closed: the server is gone
                 pass
 
@@ -181,6 +196,7 @@ class EngineLoop:
             self.ready.set()
             self._notify_ready()
             return
+        self._post([])  # the first capacity, ahead of readiness: no request is admitted against none
         self.ready.set()
         self._notify_ready()
         while True:

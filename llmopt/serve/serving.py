@@ -302,7 +302,7 @@ class OpenAIServing:
         st = self.state
         base = f"{prefix}-{uuid.uuid4().hex}"
         rids = [base if len(ids_list) == 1 else f"{base}-{i}" for i in range(len(ids_list))]
-        ticket = st.admission.admit({rid: len(ids) * n for rid, ids in zip(rids, ids_list, strict=True)}, priority)
+        ticket = st.admission.admit({rid: len(ids) for rid, ids in zip(rids, ids_list, strict=True)}, n, priority)
         sink = EventSink(on_first=lambda rid: st.admission.started(ticket, rid))
         job = Job(st, base, rids, [len(i) for i in ids_list], n, ticket, sink)
         deadline = arrival + st.config.request_timeout_s
