@@ -1,6 +1,7 @@
 """Other readers of our checkpoints: the compressed-tensors library decompresses them to exactly our
-weights; transformers parses our GPTQ config (its GPTQ kernels need optimum/gptqmodel, which are not
-installed here, so loading stops there)."""
+weights; transformers parses our GPTQ config (its GPTQ kernels need optimum + gptqmodel, which are not
+installed here); INT8 KV scales stay out of quantization_config. transformers loading and running our
+compressed-tensors checkpoints: test_quant_transformers_interop.py."""
 
 from __future__ import annotations
 
@@ -129,29 +130,3 @@ def test_transformers_parses_our_gptq_config(tiny_llama, tmp_path, monkeypatch):
     parsed = GPTQConfig.from_dict(qc)
     assert (parsed.bits, parsed.group_size, parsed.sym, parsed.desc_act) == (4, 32, True, False)
     assert qc["checkpoint_format"] == "gptq" and qc["quant_method"] == "gptq"
-
-
-# asymmetric pack-quantized is left out: transformers 5.24 allocates weight_zero_point unpacked
-# ([out, groups]) and rejects the packed tensor the compressed-tensors library itself writes
-@pytest.mark.parametrize("options", [{"scheme": "w4a16", "group_size": 32}, {"scheme": "w8a16"}], ids=["w4", "w8"])
-def test_transformers_loads_our_compressed_checkpoint(tiny_llama, tmp_path, monkeypatch, options):
-    """transformers + compressed-tensors (ModelCompressor) decompress to our exact weights, and its
-    logits match llmopt's on the same quantized model."""
-    from transformers import AutoModelForCausalLM
-
-    from llmopt import LLM
-    from llmopt.engine.scoring import iter_logits
-
-    out = tmp_path / "q"
-    _, modules = quantize_tiny(monkeypatch, tiny_llama, out, **options)
-    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    ids = [5, 9, 17, 33, 65, 129, 200]
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]  # the first forward decompresses every module
-    for qm in modules.values():
-        for name, (lo, hi) in qm.target.parts.items():
-            w = hf.get_submodule(name).weight
-            assert torch.equal(w.float(), slice_rows(qm.qw, lo, hi).dequantize(w.dtype).float()), name
-    llm = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16)
-    got = dict(iter_logits(llm.engine, [ids]))[0]
-    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
