@@ -254,7 +254,7 @@ def serve(
     api_key: list[str] = typer.Option([], "--api-key", help="Require 'Authorization: Bearer KEY' (repeatable)."),
     api_key_priority: list[str] = typer.Option(
         [], "--api-key-priority", help="KEY=PRIO: the key's priority class, default and ceiling (repeatable)."),
-    max_waiting: int = typer.Option(256, min=1, help="Requests waiting for the scheduler; beyond: 429."),
+    max_waiting: int = typer.Option(256, min=1, help="Requests waiting beyond what the engine can start at once; beyond: 429."),
     max_queued_tokens: int = typer.Option(262144, min=1, help="Their prompt tokens; beyond: 429."),
     request_timeout: float = typer.Option(630.0, min=0.001, help="Server-side deadline per request, seconds."),
     drain_timeout: float = typer.Option(30.0, min=0, help="On SIGTERM, seconds in-flight requests may finish."),

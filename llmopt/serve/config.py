@@ -22,7 +22,7 @@ class ServerConfig(BaseModel):
     # API key -> priority class; that class is the key's default and ceiling (docs/SERVE.md)
     api_key_priorities: dict[str, int] = {}
     # admission control (429 beyond these; requests that can never fit get 400)
-    max_waiting: int = Field(256, ge=1)  # admitted requests the engine has not scheduled yet
+    max_waiting: int = Field(256, ge=1)  # requests beyond the engine's free slots and KV blocks
     max_queued_tokens: int = Field(262144, ge=1)  # prompt tokens of those requests
     retry_after_s: int = Field(1, ge=1)
     # degradation: at this many waiting requests only priority >= degrade_min_priority is admitted
