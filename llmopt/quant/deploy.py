@@ -66,7 +66,7 @@ TABLE: dict[str, Row] = {r.key: r for r in (
         Cell(True, "CPUWNA16 (uint4 with zero points)")),
     Row("ct-fp8", "fp8, compressed-tensors (float8 e4m3 weight-only, per channel)",
         Cell(True, _CT + "; greedy equals llmopt", True),
-        Cell(True, "W8A8-FP8 on sm89+ (dynamic fp8 activations), FP8 Marlin weight-only on sm80-sm88"),
+        Cell(True, "FP8 Marlin weight-only (W8A16-FP8 scheme: fp8 weights without input_activations, sm80+)"),
         Cell(False, "no ScaledMM kernel for fp8 on CPU", True)),
     Row("ct-w8a8", "w8a8, compressed-tensors (int8 weights, dynamic per-token int8 activations)",
         Cell(True, "compressed-tensors: int8 weights decompressed, activations fake-quantized per token; "
