@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from llmopt import __version__
+from llmopt._version import __version__
 from llmopt.errors import LlmoptError
 
 app = typer.Typer(

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from llmopt import __version__
+from llmopt._version import __version__
 from llmopt.bench.http_target import ServerMetrics
 from llmopt.bench.knee import Knee, SweepPoint, find_knee
 from llmopt.bench.load import LoadResult

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 
-from llmopt import __version__
+from llmopt._version import __version__
 from llmopt.bench.report import (
     BenchReport,
     Comparison,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from llmopt import __version__
+from llmopt._version import __version__
 from llmopt.calibrate.sources import DataSource, file_sha256
 from llmopt.errors import LlmoptError
 from llmopt.models.resolve import ResolvedModel

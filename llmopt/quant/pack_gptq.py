@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from llmopt import __version__
+from llmopt._version import __version__
 from llmopt.errors import LlmoptError
 from llmopt.quant.packing import pack_int32, unpack_int32
 from llmopt.quant.qtensor import QuantizedWeight

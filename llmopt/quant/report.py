@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from llmopt import __version__
+from llmopt._version import __version__
 from llmopt.quant.deploy import describe
 from llmopt.quant.sequential import QuantizedModule
 from llmopt.units import format_bytes

@@ -6,7 +6,7 @@ import platform
 from importlib import metadata
 from typing import Any
 
-from llmopt import __version__
+from llmopt._version import __version__
 
 
 def _version(package: str) -> str | None:

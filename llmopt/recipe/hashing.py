@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import llmopt
-from llmopt import __version__
+from llmopt._version import __version__
 
 CONTENT_HASH_LIMIT = 64 * 1024**2
 CHUNK = 1 << 20
