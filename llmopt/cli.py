@@ -92,8 +92,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate one completion through the llmopt engine, streaming it to the terminal."""
-    from llmopt import LLM, SamplingParams
-    from llmopt.engine.llm import stream_text
+    from llmopt.engine.llm import LLM, stream_text
+    from llmopt.engine.sampling_params import SamplingParams
 
     llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1)
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
@@ -280,7 +280,7 @@ def serve(
     from llmopt.units import parse_bytes
 
     if engine == "vllm":
-        from llmopt.serve.vllm_handoff import VllmOptions, vllm_handoff
+        from llmopt.serve.vllm_handoff import VllmOptions, exec_vllm, vllm_handoff
 
         opts = VllmOptions(host=host, port=port, served_model_name=served_model_name, dtype=dtype,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -291,8 +291,12 @@ def serve(
         cmd = vllm_handoff(model, opts, dry_run)
         for note in cmd.notes:
             err_console.print(f"# note: {note}", highlight=False, soft_wrap=True)
-        sys.stdout.write(cmd.shell() + "\n")
-        return
+        if dry_run:
+            sys.stdout.write(cmd.shell() + "\n")
+            return
+        err_console.print(f"# running: {cmd.shell()}", highlight=False, soft_wrap=True)
+        sys.stderr.flush()
+        exec_vllm(cmd)
     if engine != "llmopt":
         raise LlmoptError(f"unknown --engine {engine!r}; choose llmopt or vllm")
     from llmopt.engine.config import EngineConfig

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import llmopt
 from llmopt._version import __version__
 
 CONTENT_HASH_LIMIT = 64 * 1024**2
@@ -67,7 +66,7 @@ def code_fingerprint() -> str:
     The version number alone is not enough between releases (a development checkout, a CI run of a
     pull request), and hashing ~100 small files costs milliseconds.
     """
-    package = Path(llmopt.__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # llmopt/
     h = hashlib.sha256()
     for f in sorted(package.rglob("*.py")):
         h.update(f"{f.relative_to(package).as_posix()}\0".encode() + f.read_bytes())
