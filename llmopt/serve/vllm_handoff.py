@@ -9,10 +9,12 @@ checkpoint's `quantization_config`.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,6 +114,7 @@ def build_vllm_command(model: str | None, opts: VllmOptions) -> VllmCommand:
     path, note = _model_path(resolved)
     if note:
         notes.append(note)
+    notes += deployment_notes(path)
     argv = ["vllm", "serve", path, "--host", opts.host, "--port", str(opts.port),
             "--served-model-name", opts.served_model_name or model or resolved.name]
     dtype = _DTYPES.get(opts.dtype)
@@ -161,20 +164,40 @@ def build_vllm_command(model: str | None, opts: VllmOptions) -> VllmCommand:
     return VllmCommand(argv, notes)
 
 
-def exec_vllm(cmd: VllmCommand) -> None:
-    """Replace this process with `vllm serve` (never returns), or a one-line error when vLLM is missing."""
+def _vllm_executable() -> str:
     exe = shutil.which("vllm")
     if exe is None:
-        raise LlmoptError("vLLM is not installed (no `vllm` on PATH): `pip install vllm` on a GPU machine, or "
-                          "add --dry-run to print the command")
+        raise LlmoptError("vLLM is not installed (no `vllm` on PATH): `pip install vllm` on a GPU machine; for "
+                          "vLLM's CPU build run benchmarks/peers/install_vllm.sh and put .peers/vllm/bin on PATH; "
+                          "or add --dry-run to print the command")
+    return exe
+
+
+def exec_vllm(cmd: VllmCommand) -> None:
+    """Replace this process with `vllm serve` (never returns), or a one-line error when vLLM is missing."""
+    exe = _vllm_executable()
     os.execv(exe, [exe, *cmd.argv[1:]])
 
 
+def deployment_notes(path: str) -> list[str]:
+    """What `llmopt quantize` recorded about where this checkpoint runs, for the vLLM backends that do not
+    run it: said before vLLM starts, so a CPU-only user learns why vLLM refuses it in one line."""
+    report = Path(path) / "quantization_report.json"
+    try:
+        dep = json.loads(report.read_text()).get("deployment") or {}
+    except (OSError, ValueError):
+        return []
+    notes = []
+    for tool, name in (("vllm_cuda", "vLLM CUDA"), ("vllm_cpu", "vLLM CPU")):
+        cell = dep.get(tool) or {}
+        if cell.get("runs") is False:
+            notes.append(f"{name} does not run this checkpoint: {cell.get('how')}")
+    return notes
+
+
 def vllm_handoff(model: str | None, opts: VllmOptions, dry_run: bool) -> VllmCommand:
-    """`--engine vllm`: the command (for `--dry-run`), or exec it; a missing vLLM fails before any work."""
-    if not dry_run and shutil.which("vllm") is None:
-        exec_vllm(VllmCommand([]))  # raises the one-line error
-    cmd = build_vllm_command(model, opts)
+    """`--engine vllm`: the `vllm serve` command; a missing vLLM fails before any work. The caller prints
+    the notes and then (unless `dry_run`) calls `exec_vllm`."""
     if not dry_run:
-        exec_vllm(cmd)
-    return cmd
+        _vllm_executable()
+    return build_vllm_command(model, opts)

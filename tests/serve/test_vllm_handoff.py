@@ -117,3 +117,45 @@ def test_cli_speculative_draft_needs_a_compatible_draft_model(tiny_llama, monkey
                            "--draft-model", str(other), "--port", "0")
     # the server is up when the engine fails to load; it exits 2 with the reason as its last line
     assert code == 2 and "needs the same tokenizer" in err.strip().splitlines()[-1]
+
+
+def test_notes_say_which_vllm_backends_do_not_run_the_checkpoint(tiny_llama, tmp_path):
+    from llmopt.quant.pipeline import quantize_model
+    from llmopt.quant.recipe import QuantizeConfig
+
+    out = tmp_path / "w8"
+    quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w8a16", output=out, device="cpu"))
+    notes = build_vllm_command(str(out), VllmOptions(tensor_parallel_size=1)).notes
+    assert any(n.startswith("vLLM CPU does not run this checkpoint: no CPU kernel for uint8b128") for n in notes)
+    assert not any(n.startswith("vLLM CUDA does not run") for n in notes)
+    w4 = tmp_path / "w4"
+    quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w4a16", group_size=32, output=w4, device="cpu"))
+    assert not any("does not run this checkpoint" in n
+                   for n in build_vllm_command(str(w4), VllmOptions(tensor_parallel_size=1)).notes)
+
+
+def test_without_dry_run_the_process_becomes_vllm_serve(tiny_llama, tmp_path):
+    """The real hand-off: `llmopt serve --engine vllm` execs the `vllm` found on PATH with the command
+    --dry-run prints (here a `vllm` that records its argv and pid instead of serving)."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "argv.json"
+    exe = bin_dir / "vllm"
+    exe.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                   f"json.dump({{'argv': sys.argv[1:], 'pid': os.getpid()}}, open({str(record)!r}, 'w'))\n")
+    exe.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    args = [sys.executable, "-m", "llmopt", "serve", str(tiny_llama), "--engine", "vllm", "--port", "8123"]
+    dry = subprocess.run([*args, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    got = json.loads(record.read_text())
+    assert got["pid"] == proc.pid  # exec'd in place: vLLM owns the process (signals, exit code)
+    assert ["vllm", *got["argv"]] == shlex.split(dry.stdout.strip())
+    assert "# running: vllm serve" in err
