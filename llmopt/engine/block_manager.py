@@ -60,8 +60,9 @@ class BlockManager:
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. At least one token is always left
-        to compute, because the last prompt token's logits are needed to sample."""
-        if not self.enable_prefix_caching:
+        to compute, because the last prompt token's logits are needed to sample. A request asking for
+        prompt logprobs takes no cached blocks: it needs the logits of every prompt position (as vLLM)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_full = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -75,6 +75,7 @@ class _Request:
     deadline: float | None = None
     finished: bool = False
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: one entry per prompt token, the first None
 
 
 class LLMEngine:
@@ -205,6 +206,8 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {self.spec.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.spec.vocab_size:
+            raise RequestError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, but this engine serves at most "
                                f"{self.max_model_len} tokens per sequence (max_model_len, KV pool of "
@@ -217,7 +220,9 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             init_offsets(seq)
             seqs.append(seq)
-        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, deadline)
+        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, deadline,
+                                             prompt_logprobs=None if params.prompt_logprobs is None
+                                             else [None] * len(ids))
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -277,6 +282,8 @@ class LLMEngine:
                 if not seq.spec_tokens:
                     seq.num_computed_tokens += n
                     self.block_manager.commit_full_blocks(seq)
+            for seq, start, entries in res.prompt_logprobs:  # any of the n sequences (each computes them all)
+                self.requests[seq.request_id].prompt_logprobs[start:start + len(entries)] = entries
             now = time.perf_counter()
             touched: dict[str, _Request] = {}
             for seq, token, lp in res.sampled:
@@ -307,7 +314,8 @@ class LLMEngine:
             self.spec_counters.skipped_steps += 1
             return
         for seq in running:
-            if seq.spec_disabled or seq.num_computed_tokens != seq.num_tokens - 1 or not spec_eligible(seq.params):
+            if (seq.spec_disabled or seq.num_computed_tokens != seq.num_tokens - 1 or not spec_eligible(seq.params)
+                    or seq.params.logit_bias):  # verification draws from the unbiased distribution
                 continue
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
@@ -464,7 +472,7 @@ class LLMEngine:
             comps.append(CompletionOutput(seq.index, visible, list(seq.output_token_ids), seq.finish_reason,
                                           seq.stop_reason, seq.logprobs, delta))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
-                             seqs[0].metrics, seqs[0].metrics.num_cached_tokens)
+                             seqs[0].metrics, seqs[0].metrics.num_cached_tokens, req.prompt_logprobs)
 
     def _report(self, sched, t0, t1, t2, prepare, forward, sample, n_prefill, n_decode, new_tokens,
                 finished) -> None:

@@ -1,13 +1,14 @@
 """ModelRunner: turns a scheduled step into flat tensors, runs the model, and samples.
 
 Sequences are laid out prefill chunks first, then single-token decodes, so attention can batch all
-decodes in one call. Only positions that end a sequence's known tokens produce logits.
+decodes in one call. Only positions that end a sequence's known tokens produce logits, plus, for a
+request asking for prompt logprobs, every prompt position of its prefill chunks.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +20,10 @@ from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.models.llama import LlamaForCausalLM
 
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose full-vocabulary logits are held at once
+
+# one prompt token's {token id: (logprob, rank)}: the token itself and the top-n alternatives
+PromptLogprob = dict[int, tuple[float, int]]
 
 
 @dataclass
@@ -30,6 +35,8 @@ class StepResult:
     sample_time: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    # (sequence, index of the first prompt token scored, one entry per scored prompt token)
+    prompt_logprobs: list[tuple[Sequence, int, list[PromptLogprob]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -65,8 +72,10 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Build input ids, positions and attention metadata.
 
-        Returns (ids, positions, meta, logit_rows, sample_seqs, spec_rows, n_prefill, n_decode), where
-        spec_rows maps each speculating sequence to the rows of all its scored positions."""
+        Returns (ids, positions, meta, logit_rows, sample_seqs, spec_rows, n_prefill, n_decode, prompt_rows),
+        where spec_rows maps each speculating sequence to the rows of all its scored positions, and
+        prompt_rows lists (sequence, first row, first position, count) of positions whose logits score
+        the next prompt token (requests with prompt_logprobs)."""
         prefills = [(s, n) for s, n in scheduled if n > 1]
         # longest context first, so that decode groups of similar lengths are consecutive rows
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
@@ -78,6 +87,13 @@ class ModelRunner:
         dev = self.device
         meta_prefills = []
         spec_rows: list[tuple[Sequence, list[int]]] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
+
+        def score_prompt(seq: Sequence, row: int, c: int, n: int) -> None:
+            last = min(c + n, seq.num_prompt_tokens - 1)  # position p's logits score prompt token p + 1
+            if seq.params.prompt_logprobs is not None and last > c:
+                prompt_rows.append((seq, row, c, last - c))
+
         for seq, n in prefills:
             c = seq.num_computed_tokens
             all_ids = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
@@ -86,6 +102,7 @@ class ModelRunner:
             slots.extend(self._slots(seq.block_table, c, c + n))
             ctx = c + n
             meta_prefills.append(self._prefill_chunk(seq.block_table, c, ctx))
+            score_prompt(seq, len(ids) - n, c, n)
             if seq.spec_tokens:
                 spec_rows.append((seq, list(range(len(ids) - n, len(ids)))))
             elif ctx == seq.num_tokens:
@@ -105,6 +122,7 @@ class ModelRunner:
                 slots.append(seq.block_table[c // bs] * bs + c % bs)
                 ctx_lens.append(c + 1)
                 tables.append(seq.block_table)
+                score_prompt(seq, len(ids) - 1, c, 1)  # a one-token prefill chunk
                 if c + 1 == seq.num_tokens:
                     logit_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
@@ -113,7 +131,8 @@ class ModelRunner:
         meta.compiled = self._compiled(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes)
+        return (input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes),
+                prompt_rows)
 
     def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted by decreasing context length) into groups whose shortest context is at
@@ -182,7 +201,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         t0 = time.perf_counter()
-        input_ids, positions, meta, rows, seqs, spec_rows, n_prefill, n_decode = self.prepare(scheduled)
+        input_ids, positions, meta, rows, seqs, spec_rows, n_prefill, n_decode, prompt_rows = self.prepare(scheduled)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.cache, meta)
         sampled: list[tuple[Sequence, int, dict[int, float] | None]] = []
@@ -195,6 +214,9 @@ class ModelRunner:
             for seq, rs in spec_rows:
                 spec_logits.append((seq, all_logits[start:start + len(rs)]))
                 start += len(rs)
+        prompt_lps = [(seq, pos + 1, self._prompt_logprobs(hidden[row:row + m], seq.token_ids[pos + 1:pos + 1 + m],
+                                                           seq.params.prompt_logprobs or 0))
+                      for seq, row, pos, m in prompt_rows]
         t2 = time.perf_counter()
         if rows:
             srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
@@ -202,4 +224,23 @@ class ModelRunner:
             tokens, lps = sample(logits, srows)
             sampled = list(zip(seqs, tokens, lps, strict=True))
         t3 = time.perf_counter()
-        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode)
+        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
+        """Log-softmax of each row scoring the matching target token: its logprob and rank (1 = argmax)
+        and the top_n alternatives, a bounded number of rows at a time."""
+        out: list[PromptLogprob] = []
+        for a in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[a:a + PROMPT_LOGPROBS_ROWS]), dim=-1)
+            tgt = torch.tensor(targets[a:a + PROMPT_LOGPROBS_ROWS], dtype=torch.long, device=lp.device)
+            tok_lp = lp.gather(1, tgt.unsqueeze(1))
+            ranks = ((lp > tok_lp).sum(dim=1) + 1).tolist()
+            tops = lp.topk(top_n, dim=-1) if top_n else None
+            for i, (t, v) in enumerate(zip(tgt.tolist(), tok_lp.squeeze(1).tolist(), strict=True)):
+                d: PromptLogprob = {}
+                if tops is not None:
+                    for j, (tid, tv) in enumerate(zip(tops.indices[i].tolist(), tops.values[i].tolist(), strict=True)):
+                        d[tid] = (tv, j + 1)
+                d[t] = (v, ranks[i])
+                out.append(d)
+        return out

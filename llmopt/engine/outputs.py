@@ -51,3 +51,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token {token id: (logprob, rank)} (the token itself and the
+    # top-n), None for the first token; complete once the prefill is (the list is filled as chunks run)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None

@@ -1,4 +1,4 @@
-"""Sampler: penalties, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+"""Sampler: logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
 
 Rows that are greedy and need nothing else take a plain argmax (the common fast path). Sampling uses the
 exponential-race trick (argmax of p / E with E ~ Exp(1)), which equals a categorical draw and lets each
@@ -26,8 +26,13 @@ class SamplingRow:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Per row, in vLLM's order: logit bias, then repetition / presence / frequency penalties, then the
+    min_tokens mask."""
     for i, r in enumerate(rows):
         p = r.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=logits.device)
             vals = logits[i, seen]
@@ -45,12 +50,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _needs_processing(p: SamplingParams, num_out: int) -> bool:
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or (p.min_tokens > 0 and num_out < p.min_tokens))
+            or bool(p.logit_bias) or (p.min_tokens > 0 and num_out < p.min_tokens))
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict[int, float] | None]]:
     """logits: [N, V] float32 (one row per sequence). Returns the chosen token ids and, per row, the
-    top-n logprobs (plus the chosen token) of the model's raw distribution, or None."""
+    top-n logprobs (plus the chosen token) of the model's raw distribution (before bias and penalties,
+    as vLLM reports them), or None."""
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     if any(_needs_processing(r.params, len(r.token_ids) - r.num_prompt_tokens) for r in rows):

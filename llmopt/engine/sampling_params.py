@@ -26,6 +26,11 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    # per prompt token: its logprob and the top-n alternatives, from the prefill (vLLM's prompt_logprobs);
+    # such requests compute their whole prompt (no prefix-cache reuse), as in vLLM
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias, -100..100)
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
 
     @field_validator("stop", mode="before")
@@ -42,6 +47,16 @@ class SamplingParams(BaseModel):
         if not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for tok, b in (v or {}).items():
+            if tok < 0:
+                raise ValueError("logit_bias token ids must not be negative")
+            if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError("logit_bias values must be between -100 and 100")
+        return v or None
 
     @model_validator(mode="after")
     def _check(self):
