@@ -25,7 +25,7 @@ from llmopt.serve.errors import install_error_handlers
 from llmopt.serve.limits import BodySizeLimit
 from llmopt.serve.metrics import CONTENT_TYPE, ServerMetrics
 from llmopt.serve.prompts import PromptBuilder
-from llmopt.serve.protocol import ChatCompletionRequest, CompletionRequest
+from llmopt.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from llmopt.serve.semantic_cache import SemanticCache
 from llmopt.serve.serving import OpenAIServing
 from llmopt.serve.state import ServerState
@@ -118,5 +118,13 @@ def build_app(state: ServerState, on_fatal: Callable[[], None] | None = None) ->
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, api_key(request), request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await serving.detokenize(body)
 
     return app

@@ -50,18 +50,24 @@ class ApiKeyAuth:
 
 
 SCOPE_KEY = "llmopt.api_key"
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # besides everything under /v1/
+
+
+def is_protected(path: str) -> bool:
+    return path.startswith("/v1/") or path in PROTECTED_PATHS
 
 
 class ApiKeyMiddleware:
-    """Checks keys on /v1/ before the body is read or parsed (so strangers learn nothing about parsing);
-    /health and /metrics stay open for probes and scrapers. The matched key goes in the ASGI scope."""
+    """Checks keys on /v1/, /tokenize and /detokenize before the body is read or parsed (so strangers
+    learn nothing about parsing); /health and /metrics stay open for probes and scrapers. The matched key
+    goes in the ASGI scope."""
 
     def __init__(self, app, auth: ApiKeyAuth):
         self.app = app
         self.auth = auth
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.auth.enabled and scope.get("path", "").startswith("/v1/"):
+        if scope["type"] == "http" and self.auth.enabled and is_protected(scope.get("path", "")):
             header = None
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":

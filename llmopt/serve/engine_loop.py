@@ -54,6 +54,8 @@ class StreamEvent:
     num_cached_tokens: int = 0
     error: str | None = None  # the engine refused or failed the request (the message is for the client)
     error_status: int = 400  # 400: the engine refused the request; 500: the engine failed
+    # prompt logprobs (SamplingParams.prompt_logprobs), once: on the first event with tokens (the prefill is done)
+    prompt_logprobs: tuple[dict[int, tuple[float, int]] | None, ...] | None = None
 
 
 class EventSink:
@@ -99,6 +101,7 @@ class _Stream:
     arrival: float
     sent: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    prompt_logprobs_sent: bool = False
 
 
 _STOP = object()
@@ -350,5 +353,10 @@ class EngineLoop:
             choices.append(ChoiceDelta(c.index, c.delta_text, new_ids, lps, finish))
         if not choices and not out.finished:
             return None
+        plp = None
+        if out.prompt_logprobs is not None and not st.prompt_logprobs_sent and (
+                out.finished or any(c.token_ids for c in choices)):
+            plp = tuple(out.prompt_logprobs)  # entries are never changed once written
+            st.prompt_logprobs_sent = True
         return StreamEvent(out.request_id, st.tag, tuple(choices), out.finished, len(out.prompt_token_ids),
-                           out.num_cached_tokens)
+                           out.num_cached_tokens, prompt_logprobs=plp)

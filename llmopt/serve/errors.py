@@ -63,7 +63,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if ctx.get("error"):
             msg += f": {ctx['error']}"
         return msg, None
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         msg = "unrecognized request argument supplied"
     text = f"{param}: {msg}" if param else msg

@@ -40,7 +40,19 @@ class PromptBuilder:
             raise ApiError(400, f"{param} must not be empty", param=param)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """/tokenize: any text, the empty one included."""
+        _check_unicode(text, param)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], param: str = "tokens") -> str:
+        """/detokenize and echo of token prompts: the text of token ids, special tokens included."""
+        if any(t >= self.vocab_size for t in ids):
+            raise ApiError(400, f"{param}: token ids must be in [0, {self.vocab_size})", param=param)
+        return self.tokenizer.decode(ids)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
         try:
@@ -49,7 +61,7 @@ class PromptBuilder:
         except Exception as e:  # jinja errors for conversations the template refuses
             raise ApiError(400, f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
                            param="messages") from None
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise ApiError(400, "the conversation renders to an empty prompt", param="messages")
         return ids

@@ -3,10 +3,12 @@
 Strict where OpenAI is strict: unknown fields are rejected (400 "unrecognized request argument"), types
 and ranges are checked, NaN/inf are refused. Harmless fields clients commonly send (`user`, `metadata`,
 `store`, `service_tier`, `parallel_tool_calls`, `tool_choice: "none"`, `response_format: text`) are accepted
-and ignored; fields whose meaning we cannot honour (tools, images, logit_bias, echo, suffix, best_of > n)
-are refused with a 400 that names them, rather than silently ignored. vLLM extensions: `top_k`,
-`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`; ours: `priority` (higher value = more important).
+and ignored; fields whose meaning we cannot honour (tools, images, suffix) are refused with a 400 that
+names them, rather than silently ignored. Completions honour `echo` (with prompt logprobs, and
+`max_tokens: 0` to score the prompt only), `logit_bias` and `best_of`. vLLM extensions: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`, `prompt_logprobs`; ours: `priority` (higher value = more important). /tokenize
+and /detokenize take vLLM's bodies.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_N = 8
 MAX_STOP = 16
 MAX_PROMPTS = 32
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_LOGPROBS = 20
 PRIORITY_RANGE = 1000
+
+# OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias in [-100, 100]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -45,7 +53,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -59,6 +67,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per prompt token, top-n (not streamed)
     # extension (ours): priority class, higher = scheduled first
     priority: int | None = Field(None, ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
 
@@ -79,12 +88,15 @@ class _Sampling(BaseModel):
             raise ValueError("top_k must be -1 or 0 (disabled) or positive")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return self
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (range-checked against the vocabulary by the server)."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def include_usage(self) -> bool:
@@ -100,21 +112,40 @@ Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotat
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's legacy default; None: up to max_model_len
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt comes back in `text` (and in logprobs, first token null); before max_tokens
+    # OpenAI's legacy default; None: up to max_model_len; 0 (with echo): score the prompt, generate nothing
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # generate best_of, return the n most likely
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None, info) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 needs echo: true (it scores the prompt without generating)")
+        return v
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported by this server")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of greater than n cannot be streamed")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) only."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_generated(self) -> int:
+        """Completions generated per prompt (best_of), of which `n` are returned."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """One or several prompts, each text or token ids."""
@@ -150,6 +181,11 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages for the chat template: text content; `developer` is OpenAI's new name for `system`."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ResponseFormat(BaseModel):
     model_config = _STRICT
 
@@ -161,7 +197,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)  # None: up to max_model_len
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
@@ -183,6 +219,36 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages for the chat template: text content; `developer` is OpenAI's new name for `system`."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return template_messages(self.messages)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        for i, m in enumerate(self.messages or []):
+            if m.content is None and m.role != "assistant":
+                raise ValueError(f"messages.{i}.content must not be null for role {m.role!r}")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages or [])
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]

@@ -3,6 +3,8 @@
 `ChoiceState` accumulates one choice (text, tokens, logprobs, finish reason) across events; the
 builders turn it into OpenAI's JSON. Finish reasons are OpenAI's `stop` and `length`, plus `abort`
 (client gone or server shutting down) and `timeout` (the server-side deadline), as vLLM does.
+Prompt logprobs (the engine's {token: (logprob, rank)} per prompt token) become either legacy
+completions entries for `echo`, or vLLM's `prompt_logprobs` list.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class ChoiceState:
     finish_reason: str | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (token, top dict)
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the generated tokens' logprobs (what best_of ranks by)."""
+        return sum(top.get(tok, MIN_LOGPROB) for tok, top in self.logprobs)
+
     def add(self, d: ChoiceDelta) -> None:
         self.text += d.text
         self.num_tokens += len(d.token_ids)
@@ -51,19 +58,54 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
-def completion_logprobs(prompts: PromptBuilder, items: list[tuple[int, dict[int, float]]],
+PromptEntry = dict[int, tuple[float, int]] | None  # engine prompt logprobs: {token: (logprob, rank)}
+
+
+def _top_by_piece(prompts: PromptBuilder, top: dict[int, float]) -> dict[str, float]:
+    """{token text: logprob}; two tokens with the same text (say, partial UTF-8 bytes) keep the larger."""
+    out: dict[str, float] = {}
+    for t, v in top.items():
+        piece = prompts.piece(t)
+        if piece not in out or v > out[piece]:
+            out[piece] = _lp(v)
+    return out
+
+
+def completion_logprobs(prompts: PromptBuilder, items: list[tuple[int, dict[int, float] | None]],
                         offset: int = 0) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists, `text_offset` counted from the completion start."""
+    """The legacy completions shape: parallel lists, `text_offset` counted from the completion start
+    (from the prompt's start with echo). An entry without logprobs (the first prompt token) is null."""
     tokens, token_lps, tops, offsets = [], [], [], []
     pos = offset
     for tok, top in items:
         piece = prompts.piece(tok)
         tokens.append(piece)
-        token_lps.append(_lp(top.get(tok, MIN_LOGPROB)))
-        tops.append({prompts.piece(t): _lp(v) for t, v in top.items()})
+        token_lps.append(None if top is None else _lp(top.get(tok, MIN_LOGPROB)))
+        tops.append(None if top is None else _top_by_piece(prompts, top))
         offsets.append(pos)
         pos += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_items(prompt_ids: list[int], entries: list[PromptEntry] | tuple[PromptEntry, ...] | None,
+               top_n: int) -> list[tuple[int, dict[int, float] | None]]:
+    """The prompt tokens as completion logprob items: each token's logprob and its top_n alternatives."""
+    out: list[tuple[int, dict[int, float] | None]] = []
+    for i, tok in enumerate(prompt_ids):
+        e = entries[i] if entries is not None and i < len(entries) else None
+        out.append((tok, None if e is None else {t: v for t, (v, r) in e.items() if r <= top_n or t == tok}))
+    return out
+
+
+def prompt_logprobs_json(prompts: PromptBuilder, entries: list[PromptEntry] | tuple[PromptEntry, ...] | None,
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the top-n alternatives."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {str(t): {"logprob": _lp(v), "rank": r, "decoded_token": prompts.piece(t)} for t, (v, r) in e.items()}
+            for e in entries]
 
 
 def chat_logprobs(prompts: PromptBuilder, items: list[tuple[int, dict[int, float]]], top_n: int) -> dict[str, Any]:

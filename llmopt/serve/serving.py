@@ -6,6 +6,12 @@ admitted (429 when the queue is full), handed to the engine thread, and its even
 as SSE or collected into one response. Whatever happens to the HTTP side (client gone, error, shutdown),
 `Job.close` aborts the engine requests still running, so their KV blocks are freed in the next step, and
 returns the admission ticket.
+
+Completions with `echo` put the prompt in front of each choice (its text, and its tokens' logprobs from
+the engine's prefill, the first one null); `max_tokens: 0` with echo asks the engine for one token and
+returns none of it (the prompt is scored by the same forward pass that samples that token). `best_of`
+generates best_of completions per prompt and returns the n with the highest cumulative logprob.
+/tokenize and /detokenize answer from the server's own tokenizer, without the engine.
 """
 
 from __future__ import annotations
@@ -26,8 +32,23 @@ from llmopt.serve.admission import Ticket
 from llmopt.serve.engine_loop import EventSink, StreamEvent
 from llmopt.serve.errors import ApiError, error_body
 from llmopt.serve.prompts import PromptBuilder
-from llmopt.serve.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
-from llmopt.serve.responses import ChoiceState, Usage, chat_logprobs, completion_logprobs, now_s, sse
+from llmopt.serve.protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from llmopt.serve.responses import (
+    ChoiceState,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    echo_items,
+    now_s,
+    prompt_logprobs_json,
+    sse,
+)
 from llmopt.serve.semantic_cache import CachedAnswer, Probe, bypass_reason, scope_of
 from llmopt.serve.state import ServerState
 
@@ -36,7 +57,9 @@ class Job:
     """One HTTP request's engine requests: their events, accumulated choices and usage, and cleanup."""
 
     def __init__(self, state: ServerState, job_id: str, request_ids: list[str], prompt_lens: list[int], n: int,
-                 ticket: Ticket, sink: EventSink):
+                 ticket: Ticket, sink: EventSink, count_output: bool = True):
+        """`n`: engine completions per prompt; `count_output` False: generated tokens are discarded (echo
+        with max_tokens 0), so usage counts none."""
         self.state = state
         self.id = job_id
         self.request_ids = request_ids
@@ -46,6 +69,8 @@ class Job:
         self.unfinished = set(request_ids)
         self.choices = {i: ChoiceState(i) for i in range(len(request_ids) * n)}
         self.usage = Usage(prompt_tokens=sum(prompt_lens))
+        self.count_output = count_output
+        self.prompt_logprobs: dict[int, tuple] = {}  # tag -> the engine's prompt logprobs
         self._cached: dict[str, int] = {}
         self.error: StreamEvent | None = None
         self._closed = False
@@ -62,9 +87,12 @@ class Job:
             return
         self._cached[ev.request_id] = max(self._cached.get(ev.request_id, 0), ev.num_cached_tokens)
         self.usage.cached_tokens = sum(self._cached.values())
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs[ev.tag] = ev.prompt_logprobs
         for d in ev.choices:
             self.choices[ev.tag * self.n + d.index].add(d)
-            self.usage.completion_tokens += len(d.token_ids)
+            if self.count_output:
+                self.usage.completion_tokens += len(d.token_ids)
 
     async def next_event(self) -> StreamEvent:
         ev = await self.sink.queue.get()
@@ -151,8 +179,17 @@ class OpenAIServing:
             self.state.metrics.reject("too_long")
             raise
 
+    def _logit_bias(self, req: CompletionRequest | ChatCompletionRequest,
+                    prompts: PromptBuilder) -> dict[int, float] | None:
+        bias = req.token_bias()
+        if bias and max(bias) >= prompts.vocab_size:
+            raise ApiError(400, f"logit_bias: token ids must be in [0, {prompts.vocab_size}), got {max(bias)}",
+                           param="logit_bias")
+        return bias
+
     def _params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, requested: int | None,
-                logprobs: int | None) -> SamplingParams:
+                logprobs: int | None, *, n: int | None = None, prompt_logprobs: int | None = None,
+                logit_bias: dict[int, float] | None = None) -> SamplingParams:
         room = self.state.prompts.max_model_len - prompt_len if self.state.prompts else 1
         max_tokens = room if requested is None else min(requested, room)
         if req.min_tokens > max_tokens:
@@ -160,13 +197,14 @@ class OpenAIServing:
                            f"the {room} tokens left in the context)", param="min_tokens")
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                n=n or req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                 stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                skip_special_tokens=req.skip_special_tokens)
         except ValidationError as e:
             first = e.errors()[0]
             loc = ".".join(str(p) for p in first.get("loc", ()))
@@ -181,7 +219,9 @@ class OpenAIServing:
         priority = self._priority(key, req.priority)
         items = req.prompts()
         texts = [items[0]] if len(items) == 1 and isinstance(items[0], str) else None
-        probe = await self._probe("completions", req, key, texts, req.temperature, req.logprobs is not None)
+        probe = await self._probe("completions", req, key, texts, req.temperature,
+                                  req.logprobs is not None or req.echo or req.prompt_logprobs is not None
+                                  or req.num_generated != req.n)
         if probe is not None and probe.hit is not None:
             return self._cached_completion(req, probe)
         self.state.admission.check_capacity(priority)
@@ -195,10 +235,19 @@ class OpenAIServing:
             ids = await _off_loop(len(p), prompts.encode_prompt, p, param)
             self._check_length(prompts, ids, param)
             ids_list.append(ids)
-        params = [self._params(req, len(ids), req.max_tokens, req.logprobs) for ids in ids_list]
-        job = self._start("cmpl", ids_list, params, req.n, priority, arrival)
-        return await self._respond(job, req.stream, probe, http, lambda: self._stream_completion(job, req, probe),
-                                   lambda: self._completion_body(job, req))
+        bias = self._logit_bias(req, prompts)
+        gen_n = req.num_generated
+        # best_of ranks completions by their tokens' logprobs; echo with logprobs needs the prompt's
+        logprobs = 0 if req.logprobs is None and gen_n > req.n else req.logprobs
+        wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
+        params = [self._params(req, len(ids), 1 if req.echo_only else req.max_tokens, logprobs, n=gen_n,
+                               prompt_logprobs=max(wanted) if wanted else None, logit_bias=bias)
+                  for ids in ids_list]
+        echo = [self._echo_text(prompts, p, ids) for p, ids in zip(items, ids_list, strict=True)] if req.echo else []
+        job = self._start("cmpl", ids_list, params, gen_n, priority, arrival, count_output=not req.echo_only)
+        return await self._respond(job, req.stream, probe, http,
+                                   lambda: self._stream_completion(job, req, probe, ids_list, echo),
+                                   lambda: self._completion_body(job, req, ids_list, echo))
 
     async def chat(self, req: ChatCompletionRequest, key: str | None, http: Request) -> Response:
         arrival = time.perf_counter()
@@ -206,7 +255,8 @@ class OpenAIServing:
         self._check_model(req.model)
         priority = self._priority(key, req.priority)
         messages = req.template_messages()
-        probe = await self._probe("chat", req, key, [m["content"] for m in messages], req.temperature, req.logprobs,
+        probe = await self._probe("chat", req, key, [m["content"] for m in messages], req.temperature,
+                                  req.logprobs or req.prompt_logprobs is not None,
                                   key_text=json.dumps(messages, ensure_ascii=False))
         if probe is not None and probe.hit is not None:
             return self._cached_chat(req, probe)
@@ -215,7 +265,8 @@ class OpenAIServing:
                               req.add_generation_prompt)
         self._check_length(prompts, ids, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self._params(req, len(ids), req.requested_max_tokens(), top)]
+        params = [self._params(req, len(ids), req.requested_max_tokens(), top, prompt_logprobs=req.prompt_logprobs,
+                               logit_bias=self._logit_bias(req, prompts))]
         job = self._start("chatcmpl", [ids], params, req.n, priority, arrival)
         return await self._respond(job, req.stream, probe, http, lambda: self._stream_chat(job, req, probe),
                                    lambda: self._chat_body(job, req))
@@ -298,13 +349,13 @@ class OpenAIServing:
 
     # ---- engine hand-off ------------------------------------------------------------------------
     def _start(self, prefix: str, ids_list: list[list[int]], params: list[SamplingParams], n: int, priority: int,
-               arrival: float) -> Job:
+               arrival: float, count_output: bool = True) -> Job:
         st = self.state
         base = f"{prefix}-{uuid.uuid4().hex}"
         rids = [base if len(ids_list) == 1 else f"{base}-{i}" for i in range(len(ids_list))]
         ticket = st.admission.admit({rid: len(ids) for rid, ids in zip(rids, ids_list, strict=True)}, n, priority)
         sink = EventSink(on_first=lambda rid: st.admission.started(ticket, rid))
-        job = Job(st, base, rids, [len(i) for i in ids_list], n, ticket, sink)
+        job = Job(st, base, rids, [len(i) for i in ids_list], n, ticket, sink, count_output)
         deadline = arrival + st.config.request_timeout_s
         for tag, (rid, ids, p) in enumerate(zip(rids, ids_list, params, strict=True)):
             st.engine_loop.submit(rid, tag, ids, p, -priority, deadline, sink, arrival)
@@ -332,12 +383,29 @@ class OpenAIServing:
     def _model(self) -> str:
         return self.state.model_name
 
-    def _completion_body(self, job: Job, req: CompletionRequest) -> dict[str, Any]:
+    @staticmethod
+    def _echo_text(prompts: PromptBuilder, prompt: str | list[int], ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else prompts.decode(ids, "prompt")
+
+    def _completion_body(self, job: Job, req: CompletionRequest, ids_list: list[list[int]],
+                         echo: list[str]) -> dict[str, Any]:
         prompts = self.state.prompts
-        choices = []
-        for i, c in sorted(job.choices.items()):
-            lps = completion_logprobs(prompts, c.logprobs) if req.logprobs is not None and prompts else None
-            choices.append({"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason})
+        choices: list[dict[str, Any]] = []
+        for tag, ids in enumerate(ids_list):
+            group = [job.choices[tag * job.n + k] for k in range(job.n)]
+            if job.n > req.n:  # best_of: the n most likely, most likely first
+                group = sorted(group, key=lambda c: c.cumulative_logprob, reverse=True)[:req.n]
+            for c in group:
+                text = "" if req.echo_only else c.text
+                items: list = [] if req.echo_only else list(c.logprobs)
+                if req.echo:
+                    text = echo[tag] + text
+                    items = echo_items(ids, job.prompt_logprobs.get(tag), req.logprobs or 0) + items
+                lps = completion_logprobs(prompts, items) if req.logprobs is not None and prompts else None
+                choice = {"index": len(choices), "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
+                if req.prompt_logprobs is not None and prompts:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(prompts, job.prompt_logprobs.get(tag))
+                choices.append(choice)
         return {"id": job.id, "object": "text_completion", "created": now_s(), "model": self._model(),
                 "choices": choices, "usage": job.usage.to_json()}
 
@@ -348,35 +416,45 @@ class OpenAIServing:
             lps = chat_logprobs(prompts, c.logprobs, req.top_logprobs or 0) if req.logprobs and prompts else None
             choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lps,
                             "finish_reason": c.finish_reason})
-        return {"id": job.id, "object": "chat.completion", "created": now_s(), "model": self._model(),
+        body = {"id": job.id, "object": "chat.completion", "created": now_s(), "model": self._model(),
                 "choices": choices, "usage": job.usage.to_json()}
+        if req.prompt_logprobs is not None and prompts:  # vLLM: one list for the request, at the top level
+            body["prompt_logprobs"] = prompt_logprobs_json(prompts, job.prompt_logprobs.get(0))
+        return body
 
     def _error_chunk(self, ev: StreamEvent) -> str:
         kind = "server_error" if ev.error_status >= 500 else "invalid_request_error"
         return sse(error_body(ev.error or "request failed", kind, None, None))
 
-    async def _stream_completion(self, job: Job, req: CompletionRequest, probe: Probe | None) -> AsyncIterator[str]:
+    async def _stream_completion(self, job: Job, req: CompletionRequest, probe: Probe | None,
+                                 ids_list: list[list[int]], echo: list[str]) -> AsyncIterator[str]:
         prompts = self.state.prompts
         created = now_s()
         usage_on = req.include_usage
+        next_offset: dict[int, int] = {}  # per choice: text_offset of its next token (advanced by tokens sent)
         try:
             while not job.done:
                 ev = await job.sink.queue.get()
-                before = {ev.tag * job.n + d.index: len(job.choices[ev.tag * job.n + d.index].text)
-                          for d in ev.choices}
                 job.apply(ev)
                 if job.error is not None:
                     yield self._error_chunk(ev)
                     break
                 for d in ev.choices:
                     idx = ev.tag * job.n + d.index
+                    text = "" if req.echo_only else d.text
+                    items: list = [] if req.echo_only else list(zip(d.token_ids, d.logprobs or (), strict=False))
+                    if req.echo and idx not in next_offset:  # the first chunk of this choice carries the prompt
+                        text = echo[ev.tag] + text
+                        items = echo_items(ids_list[ev.tag], job.prompt_logprobs.get(ev.tag), req.logprobs or 0) + items
                     lps = None
-                    if req.logprobs is not None and d.logprobs is not None and prompts:
-                        lps = completion_logprobs(prompts, list(zip(d.token_ids, d.logprobs, strict=False)),
-                                                  before[idx])
+                    if req.logprobs is not None and prompts:
+                        lps = completion_logprobs(prompts, items, next_offset.get(idx, 0))
+                        if lps["tokens"]:
+                            next_offset[idx] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                    next_offset.setdefault(idx, 0)
                     chunk: dict[str, Any] = {"id": job.id, "object": "text_completion", "created": created,
                                              "model": self._model(),
-                                             "choices": [{"index": idx, "text": d.text, "logprobs": lps,
+                                             "choices": [{"index": idx, "text": text, "logprobs": lps,
                                                           "finish_reason": d.finish_reason}]}
                     if usage_on:
                         chunk["usage"] = job.usage.to_json() if req.continuous_usage else None
@@ -431,3 +509,25 @@ class OpenAIServing:
             yield sse("[DONE]")
         finally:
             job.close()
+
+    # ---- tokenizer endpoints (vLLM's) -----------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> Response:
+        prompts = self._serving()
+        self._check_model(req.model)
+        if req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await _off_loop(len(req.prompt), prompts.tokenize, req.prompt, add)
+        else:
+            messages = req.template_messages()
+            ids = await _off_loop(sum(len(m["content"]) for m in messages), prompts.encode_chat, messages,
+                                  req.add_generation_prompt, bool(req.add_special_tokens))
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": prompts.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = prompts.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    async def detokenize(self, req: DetokenizeRequest) -> Response:
+        prompts = self._serving()
+        self._check_model(req.model)
+        text = await _off_loop(len(req.tokens) * 4, prompts.decode, req.tokens)
+        return JSONResponse({"prompt": text})

@@ -45,6 +45,13 @@ def test_every_configured_key_works_with_the_openai_client(keyed):
         openai.OpenAI(base_url=keyed.v1, api_key="sk-nope", max_retries=0).models.list()
 
 
+def test_tokenize_and_detokenize_need_a_key_too(keyed):
+    for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [5, 6]})):
+        assert_openai_error(httpx.post(keyed.base_url + path, json=body), 401, code="invalid_api_key")
+        r = httpx.post(keyed.base_url + path, json=body, headers={"Authorization": f"Bearer {KEYS[1]}"})
+        assert r.status_code == 200, r.text
+
+
 def test_health_and_metrics_stay_open(keyed):
     assert httpx.get(keyed.base_url + "/health").status_code == 200
     r = httpx.get(keyed.base_url + "/metrics")

@@ -71,8 +71,24 @@ def test_lone_surrogate_is_refused(server):
     ({**OK_COMPLETION, "frobnicate": 1}, "frobnicate"),
     ({**OK_COMPLETION, "prompt": [1, "a"]}, "prompt"),
     ({**OK_COMPLETION, "prompt": [-1]}, "prompt"),
-    ({**OK_COMPLETION, "echo": True}, None),
-    ({**OK_COMPLETION, "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({**OK_COMPLETION, "echo": "loudly"}, "echo"),
+    ({**OK_COMPLETION, "logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({**OK_COMPLETION, "logit_bias": {"-5": 1.0}}, "logit_bias"),
+    ({**OK_COMPLETION, "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({**OK_COMPLETION, "logit_bias": {"5": -101}}, "logit_bias"),
+    ({**OK_COMPLETION, "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({**OK_COMPLETION, "logit_bias": {"99999": 1.0}}, "logit_bias"),  # outside the vocabulary
+    ({**OK_COMPLETION, "logit_bias": [5]}, "logit_bias"),
+    ({**OK_COMPLETION, "logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ({**OK_COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({**OK_COMPLETION, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({**OK_COMPLETION, "prompt_logprobs": 1, "stream": True}, None),
+    ({**OK_COMPLETION, "max_tokens": 0, "echo": False}, "max_tokens"),
+    ({**OK_COMPLETION, "max_tokens": -1, "echo": True}, "max_tokens"),
+    ({**OK_COMPLETION, "best_of": 1, "n": 2}, None),
+    ({**OK_COMPLETION, "best_of": 9}, "best_of"),
+    ({**OK_COMPLETION, "best_of": 3, "stream": True}, None),
+    ({**OK_COMPLETION, "suffix": "tail"}, None),
     ({"model": MODEL_NAME}, "prompt"),
 ])
 def test_wrong_types_and_ranges_completions(server, body, param):
@@ -92,6 +108,13 @@ def test_wrong_types_and_ranges_completions(server, body, param):
     ({**OK_CHAT, "top_logprobs": 2}, None),
     ({**OK_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**OK_CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({**OK_CHAT, "logit_bias": {"x1": 1.0}}, "logit_bias"),
+    ({**OK_CHAT, "logit_bias": {"99999": 1.0}}, "logit_bias"),
+    ({**OK_CHAT, "logit_bias": {"1": float("1e3")}}, "logit_bias"),
+    ({**OK_CHAT, "prompt_logprobs": 30}, "prompt_logprobs"),
+    ({**OK_CHAT, "prompt_logprobs": 2, "stream": True}, None),
+    ({**OK_CHAT, "echo": True}, "echo"),  # chat has no echo
+    ({**OK_CHAT, "best_of": 2}, "best_of"),
 ])
 def test_wrong_types_and_ranges_chat(server, body, param):
     err = assert_openai_error(post(server, "/chat/completions", body), 400)

@@ -23,6 +23,7 @@ def test_no_server_errors(tiny_llama):
         operations = [r.ok() for r in schema.get_all_operations()]
         labels = {op.label for op in operations}
         assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health"} <= labels
+        assert {"POST /tokenize", "POST /detokenize"} <= labels
         seen: dict[int, int] = {}
         for op in operations:
             modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])
