@@ -19,7 +19,7 @@ from llmopt.calibrate.sources import DataSource
 from llmopt.calibrate.stats import collect_stats
 from llmopt.calibrate.windows import CalibrationSet, build_calibration_set
 from llmopt.errors import LlmoptError
-from llmopt.quant.atomic import atomic_directory, check_output_dir
+from llmopt.io import atomic_directory, check_output_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

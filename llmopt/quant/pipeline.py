@@ -17,7 +17,7 @@ from llmopt.calibrate.progress import layer_progress
 from llmopt.calibrate.run import DTYPES, CalibrationDataConfig, sample_windows
 from llmopt.calibrate.stats import SavedStats
 from llmopt.errors import LlmoptError
-from llmopt.quant.atomic import atomic_directory, check_output_dir
+from llmopt.io import atomic_directory, check_output_dir
 from llmopt.quant.deploy import deployment
 from llmopt.quant.export import WEIGHTS_FILE, quantization_config, write_checkpoint
 from llmopt.quant.recipe import QuantizeConfig

@@ -4,7 +4,7 @@ skipping those whose inputs did not change.
 Flow: validate (exit 2 on any problem, before any work) → plan (which stages run, which are skipped
 because their key matches `state.json` and their artifact is intact, which upstream artifacts come
 from earlier runs) → for each stage, build its artifacts in a temp directory that replaces
-`RUN_DIR/<stage>` only on success (`llmopt.quant.atomic.atomic_directory`), then record it in
+`RUN_DIR/<stage>` only on success (`llmopt.io.atomic_directory`), then record it in
 `state.json` → write `summary.json` / `summary.md` (also after a failure, so CI can upload them).
 
 Exit codes (`RunReport.exit_code`): 0 every gate passed; 1 a gate failed (named); 2 the recipe or an
@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmopt.errors import LlmoptError
-from llmopt.recipe.atomic import public_mode, write_json_atomic, write_text_atomic
+from llmopt.io import atomic_directory, public_mode, write_json_atomic, write_text_atomic
 from llmopt.recipe.hashing import changed_parts, stage_key, tree_fingerprint
 from llmopt.recipe.issues import Issue, RecipeInvalid
 from llmopt.recipe.lock import run_lock
@@ -197,8 +197,6 @@ def _write_run_files(plan: _Plan, req: RunRequest) -> None:
 
 def _run_stage(plan: _Plan, stage: Stage, key: tuple[str, dict[str, str]], ctx: StageContext, why: str
                ) -> tuple[StageReport, StageRecord]:
-    from llmopt.quant.atomic import atomic_directory
-
     t0 = time.perf_counter()
     with atomic_directory(plan.run_dir / stage.name, overwrite=True) as tmp:
         outcome = stage.run(ctx, tmp)

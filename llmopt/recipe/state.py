@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from llmopt.gates import GateResult
-from llmopt.recipe.atomic import write_json_atomic
+from llmopt.io import write_json_atomic
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1

@@ -136,7 +136,7 @@ def render_table(report: RunReport, console: Console) -> None:
 
 
 def write_summary(run_dir: Path, report: RunReport) -> None:
-    from llmopt.recipe.atomic import write_json_atomic, write_text_atomic
+    from llmopt.io import write_json_atomic, write_text_atomic
 
     write_json_atomic(run_dir / "summary.json", report.to_json())
     write_text_atomic(run_dir / "summary.md", render_markdown(report))
