@@ -35,6 +35,7 @@ from llmopt.eval.divergence import DivergenceStats, token_divergence
 from llmopt.eval.engines import EngineOptions, build_llm
 from llmopt.eval.perplexity import NllStats, Window, make_windows, token_nll
 from llmopt.gates import Gate
+from llmopt.io import atomic_write
 
 _CACHE_BYTES = 1 << 30
 TEXT_METRICS = ("kl_div", "top1_agreement", "ppl_increase_pct")
@@ -211,9 +212,6 @@ def run_bisect(baseline: LLM, candidate: LLM, candidate_model: str | None, basel
 
 def plot_layers(result: BisectResult, path: Path) -> Path:
     """Bar chart of the KL divergence removed by restoring each layer (written atomically)."""
-    import os
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,14 +231,9 @@ def plot_layers(result: BisectResult, path: Path) -> Path:
     ax.legend(loc="upper right")
     fig.tight_layout()
     path = path.expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 

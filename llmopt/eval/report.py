@@ -1,6 +1,6 @@
 """Render an EvalReport: a rich table for people, JSON for CI, Markdown for pull requests.
 
-The Markdown file is written atomically (temporary file in the same folder, then `os.replace`), so a
+The Markdown file is written atomically (`llmopt.io`: temporary file in the same folder, then `os.replace`), so a
 CI job that uploads it never sees half a report, and a failed run never leaves a stale one half
 overwritten.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -18,6 +16,7 @@ from rich.table import Table
 
 from llmopt.errors import LlmoptError
 from llmopt.eval.compare import EvalReport, MetricRow
+from llmopt.io import write_text_atomic
 
 # metrics whose value is a fraction shown as a percentage, and those already in points/percent
 _FRACTION = ("acc", "acc_norm", "acc_bytes", "exact_match", "top1_agreement")
@@ -160,18 +159,11 @@ def render_markdown(report: EvalReport) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Write the report file atomically; its folder must exist (a typo in --report is not a new folder)."""
     path = path.expanduser()
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise LlmoptError(f"cannot write report {path}: folder {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if not path.parent.is_dir():
+        raise LlmoptError(f"cannot write report {path}: folder {path.parent} does not exist")
+    write_text_atomic(path, text)
 
 
 def _finite(obj):
