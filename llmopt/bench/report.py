@@ -2,20 +2,18 @@
 
 The JSON schema is the contract between `llmopt bench`, CI gates and humans comparing runs, so it is a
 pydantic model (`BenchReport`) that both writes and validates. Infinite request rates ("all at once") are
-written as the JSON string "Infinity" and read back as `inf`. Files are written atomically (temp file in
-the same directory, then `os.replace`), so an interrupted run never leaves half a report behind.
+written as the JSON string "Infinity" and read back as `inf`. Files are written atomically (`llmopt.io`:
+temp file in the same directory, then `os.replace`), so an interrupted run never leaves half a report behind.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
@@ -28,6 +26,7 @@ from llmopt.bench.load import LoadResult
 from llmopt.bench.metrics import LatencyStats, RunMetrics, Slo, compute_metrics
 from llmopt.bench.workloads import WorkloadSpec
 from llmopt.errors import LlmoptError
+from llmopt.io import write_bytes_atomic
 
 LatencyMetric = Literal["ttft", "tpot", "itl", "e2el"]
 Percentile = Literal["mean", "p50", "p90", "p99"]
@@ -139,26 +138,9 @@ def knee_from_runs(
 # ---------------------------------------------------------------------------------------- file I/O
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
-    """Write via `write(fileobj)` into a temp file beside `path`, fsync, then `os.replace` over it."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
-
-
 def write_json(report: BenchReport, path: str | Path) -> Path:
     data = report.model_dump_json(indent=2).encode() + b"\n"
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data)
 
 
 def load_report(path: str | Path) -> BenchReport:
@@ -231,7 +213,7 @@ def to_markdown(report: BenchReport) -> str:
 
 def write_markdown(report: BenchReport, path: str | Path) -> Path:
     data = to_markdown(report).encode()
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data)
 
 
 def summary_rows(run: BenchRun) -> list[tuple[str, str] | str]:
@@ -387,7 +369,7 @@ def _figure_png(report: BenchReport) -> bytes:
 def write_plot(report: BenchReport, path: str | Path) -> Path:
     """Throughput vs latency with the knee marked, and TTFT/TPOT distributions, as one PNG."""
     data = _figure_png(report)
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data)
 
 
 # -------------------------------------------------------------------------------------------- compare

@@ -22,7 +22,6 @@ from llmopt._version import __version__
 from llmopt.bench.report import (
     BenchReport,
     Comparison,
-    atomic_write,
     compare_named,
     comparison_markdown,
     load_report,
@@ -31,6 +30,7 @@ from llmopt.bench.report import (
     to_markdown,
 )
 from llmopt.errors import LlmoptError
+from llmopt.io import write_bytes_atomic
 
 
 class VariantResult(BaseModel):
@@ -101,12 +101,12 @@ def scenario_markdown(rep: ScenarioReport) -> str:
 
 def write_scenario_json(rep: ScenarioReport, path: str | Path) -> Path:
     data = rep.model_dump_json(indent=2).encode() + b"\n"
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data)
 
 
 def write_scenario_markdown(rep: ScenarioReport, path: str | Path) -> Path:
     data = scenario_markdown(rep).encode()
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data)
 
 
 def write_scenario_plot(rep: ScenarioReport, path: str | Path) -> Path:
@@ -150,7 +150,7 @@ def write_scenario_plot(rep: ScenarioReport, path: str | Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     data = buf.getvalue()
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data)
 
 
 # ------------------------------------------------------------------------------------------ loading
