@@ -11,13 +11,12 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmopt.errors import LlmoptError
+from llmopt.io import atomic_directory
 from llmopt.models.spec import ModelSpec
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -167,33 +166,28 @@ def _convert_gguf(gguf: Path) -> Path:
     final = _gguf_cache_dir(gguf)
     if (final / "model.safetensors").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
     try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        # keep_existing: another process may convert the same file at once; its copy is as good as ours
+        with atomic_directory(final, keep_existing=True) as tmp:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        from safetensors.torch import save_file
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            from safetensors.torch import save_file
 
-        # save_pretrained refuses GGUF-quantized models, so write the plain HF layout ourselves.
-        cfg = _plain_config(model.config)
-        cfg["architectures"] = [type(model).__name__]
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if cfg.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
-        tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process won the race; its copy is as good as ours
-            shutil.rmtree(tmp, ignore_errors=True)
+            # save_pretrained refuses GGUF-quantized models, so write the plain HF layout ourselves.
+            cfg = _plain_config(model.config)
+            cfg["architectures"] = [type(model).__name__]
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            if cfg.get("tie_word_embeddings"):
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+            tok.save_pretrained(tmp)
     except LlmoptError:
         raise
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise LlmoptError(f"cannot convert GGUF {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}") from None
     return final
