@@ -278,15 +278,10 @@ def _run_scenario(cfg: BenchConfig, console: Console) -> BenchOutcome:
 
 def load_tokenizer(model: str | None) -> Any:
     """The tokenizer of MODEL (alias, HF directory or .gguf; None: the embedded model), without weights."""
-    from transformers import AutoTokenizer
-
     from llmopt.models.resolve import resolve_model, weights_dir
+    from llmopt.models.tokenizer import load_tokenizer as load_from_directory
 
-    directory = weights_dir(resolve_model(model))
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as e:  # transformers raises many kinds for a bad directory
-        raise LlmoptError(f"cannot load the tokenizer from {directory}: {str(e).splitlines()[0]}") from None
+    return load_from_directory(weights_dir(resolve_model(model)))
 
 
 def _run_http(cfg: BenchConfig, console: Console) -> BenchOutcome:
