@@ -115,24 +115,16 @@ def show_comparison(paths: Sequence[str], console: Console | None = None) -> Com
 
 
 def _write_outputs(cfg: BenchConfig, outcome: BenchOutcome) -> None:
-    written = []
     if outcome.scenario is not None:
-        s = outcome.scenario
-        if cfg.json_path:
-            written.append(write_scenario_json(s, cfg.json_path))
-        if cfg.markdown_path:
-            written.append(write_scenario_markdown(s, cfg.markdown_path))
-        if cfg.plot_path:
-            written.append(write_scenario_plot(s, cfg.plot_path))
+        result: Any = outcome.scenario
+        writers = (write_scenario_json, write_scenario_markdown, write_scenario_plot)
     elif outcome.report is not None:
-        r = outcome.report
-        if cfg.json_path:
-            written.append(write_json(r, cfg.json_path))
-        if cfg.markdown_path:
-            written.append(write_markdown(r, cfg.markdown_path))
-        if cfg.plot_path:
-            written.append(write_plot(r, cfg.plot_path))
-    outcome.written = [str(p) for p in written]
+        result, writers = outcome.report, (write_json, write_markdown, write_plot)
+    else:
+        outcome.written = []
+        return
+    paths = (cfg.json_path, cfg.markdown_path, cfg.plot_path)
+    outcome.written = [str(write(result, path)) for write, path in zip(writers, paths, strict=True) if path]
 
 
 def _report(cfg: BenchConfig, target: TargetInfo, runs: list[BenchRun]) -> BenchReport:
