@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.llmopt-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench clean interop
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: lint
 
 test-fast: install
 	@$(COLD) $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Not part of `make test`: installs vLLM CPU (GBs) into .peers/vllm, then loads every scheme we write in it
+interop: install
+	bash benchmarks/peers/install_vllm.sh
+	$(PY) benchmarks/peers/vllm_interop.py $(INTEROP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
