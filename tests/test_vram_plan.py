@@ -16,8 +16,9 @@ from rich.console import Console
 
 from llmopt.errors import LlmoptError
 from llmopt.models.spec import ModelSpec
+from llmopt.planning.memory import GiB, MiB
 from llmopt.planning.parallel import pipeline_partition, tp_problem
-from llmopt.planning.vram import GiB, MiB, VramPlan, VramPlanOptions, plan_vram, render_vram_plan
+from llmopt.planning.vram import VramPlan, VramPlanOptions, plan_vram, render_vram_plan
 
 # ---- configs (the architecture facts of the public config.json files) ----------------------------
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmopt.models.spec import ModelSpec
-from llmopt.planning.vram import GpuBytes, MemoryModel, largest_fitting
+from llmopt.planning.memory import GpuBytes, MemoryModel, largest_fitting
 from llmopt.units import format_bytes
 
 if TYPE_CHECKING:
