@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.models.spec import ModelSpec
@@ -58,6 +58,11 @@ def _at_least(value: int, minimum: int, flag: str) -> int:
     if value < minimum:
         raise LlmoptError(f"{flag} must be at least {minimum}, got {value}")
     return value
+
+
+# Fields that must be at least 1, and the CLI flag their error names.
+_AT_LEAST_ONE = {"seq_len": "--seq-len", "batch": "--batch", "num_gpus": "--num-gpus",
+                 "gpu_memory_bytes": "--gpu-memory (bytes)"}
 
 
 class VramPlanOptions(BaseModel):
@@ -106,25 +111,10 @@ class VramPlanOptions(BaseModel):
             raise LlmoptError(f"--group-size must be -1 (per channel) or at least 1, got {v}")
         return v
 
-    @field_validator("seq_len")
+    @field_validator(*_AT_LEAST_ONE)
     @classmethod
-    def _seq_len(cls, v: int) -> int:
-        return _at_least(v, 1, "--seq-len")
-
-    @field_validator("batch")
-    @classmethod
-    def _batch(cls, v: int) -> int:
-        return _at_least(v, 1, "--batch")
-
-    @field_validator("num_gpus")
-    @classmethod
-    def _num_gpus(cls, v: int) -> int:
-        return _at_least(v, 1, "--num-gpus")
-
-    @field_validator("gpu_memory_bytes")
-    @classmethod
-    def _gpu_memory(cls, v: int) -> int:
-        return _at_least(v, 1, "--gpu-memory (bytes)")
+    def _at_least_one(cls, v: int, info: ValidationInfo) -> int:
+        return _at_least(v, 1, _AT_LEAST_ONE[info.field_name])
 
 
 # ---------------------------------------------------------------------------------------------------
