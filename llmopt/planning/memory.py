@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -169,12 +169,7 @@ class WeightBytes:
         return self.embedding + self.lm_head + self.decoder_layers + self.final_norm
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "embedding": self.embedding,
-            "lm_head": self.lm_head,
-            "decoder_layers": self.decoder_layers,
-            "final_norm": self.final_norm,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)

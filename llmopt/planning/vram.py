@@ -14,7 +14,7 @@ parallel layouts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.errors import LlmoptError
@@ -118,13 +118,7 @@ class Recommendation:
     fits_after: bool
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "action": self.action,
-            "saves_bytes": self.saves_bytes,
-            "total_bytes_after": self.total_bytes_after,
-            "fits_after": self.fits_after,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
