@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from llmopt.layers.attention import AttentionMetadata, PrefillChunk
-from llmopt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from llmopt.models.base import CausalLM
 
 
 @dataclass
@@ -57,7 +57,7 @@ class KVObserver:
 
 
 @torch.no_grad()
-def embed_batches(model: LlamaForCausalLM, windows: torch.Tensor, batch_windows: int,
+def embed_batches(model: CausalLM, windows: torch.Tensor, batch_windows: int,
                   dtype: torch.dtype) -> list[CalibBatch]:
     """Embed `windows` [N, L] into batches of `batch_windows` sequences each (hidden in `dtype`)."""
     dev = model.embed_tokens.weight.device
@@ -75,7 +75,7 @@ def embed_batches(model: LlamaForCausalLM, windows: torch.Tensor, batch_windows:
     return batches
 
 
-def layer_copy(layer: LlamaDecoderLayer, dtype: torch.dtype) -> LlamaDecoderLayer:
+def layer_copy(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of `layer` whose parameters are in `dtype` (buffers such as RoPE tables stay as they are)."""
     twin = copy.deepcopy(layer)
     for p in twin.parameters():

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from llmopt.calibrate.forward import InputHook, KVObserver, embed_batches, layer_copy, run_layer
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
 from llmopt.quant.observers import (
     ChannelStats,
     EmaObserver,
@@ -107,7 +107,7 @@ class SavedStats:
 
 
 @torch.no_grad()
-def collect_stats(model: LlamaForCausalLM, windows: torch.Tensor, observer: str = "minmax",
+def collect_stats(model: CausalLM, windows: torch.Tensor, observer: str = "minmax",
                   percentile: float = 99.9, dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
                   progress: Callable[[int], None] | None = None) -> CalibrationStats:
     """Run the (unquantized) model layer by layer over `windows` and measure every linear's input."""

@@ -25,9 +25,10 @@ from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence, SequenceStatus
 from llmopt.engine.spec_decode import SpeculativeConfig, ngram_propose, spec_eligible, verify
 from llmopt.engine.stats import FinishedRequest, StepStats
+from llmopt.engine.structured_output import GrammarError, StructuredOutputCompiler
 from llmopt.errors import LlmoptError
 from llmopt.layers.kv_cache import PagedKVCache
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
 from llmopt.models.loader import load_model, parse_dtype
 from llmopt.models.resolve import resolve_model, weights_dir
 from llmopt.models.tokenizer import load_tokenizer
@@ -92,6 +93,8 @@ class LLMEngine:
         self.weights_dir = weights_dir(self.resolved)
         self.tokenizer = load_tokenizer(self.weights_dir)
         self.eos_token_ids = _eos_ids(self.weights_dir, self.tokenizer, self.spec.eos_token_id)
+        # structured outputs: compiles each constraint once (thread-safe: servers compile at the edge too)
+        self.structured_outputs = StructuredOutputCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         s = self.spec
         # a checkpoint with calibrated INT8 KV scales (llmopt quantize --kv-cache int8) defaults to an int8 cache
         kv_scales = kv_cache_scales(self.resolved)
@@ -141,7 +144,7 @@ class LLMEngine:
             return torch.float32
         return dtype
 
-    def _load_draft(self) -> tuple[LlamaForCausalLM, torch.dtype]:
+    def _load_draft(self) -> tuple[CausalLM, torch.dtype]:
         """The separate draft model and the dtype it runs in; it must share the target's tokenizer."""
         sc = self.spec_config
         resolved = resolve_model(sc.draft_model)
@@ -212,10 +215,17 @@ class LLMEngine:
             raise RequestError(f"the prompt has {len(ids)} tokens, but this engine serves at most "
                                f"{self.max_model_len} tokens per sequence (max_model_len, KV pool of "
                                f"{self.num_blocks} blocks × {self.config.block_size})")
+        if params.structured_outputs is not None:
+            try:
+                self.structured_outputs.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestError(f"structured_outputs: {e}") from None
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, ids, params, arrival, priority, tuple(self.eos_token_ids))
+            if params.structured_outputs is not None:
+                seq.grammar = self.structured_outputs.matcher(params.structured_outputs)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             init_offsets(seq)
@@ -325,6 +335,8 @@ class LLMEngine:
                 continue
             if spec.method == "ngram":
                 seq.spec_tokens = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                if seq.grammar is not None:  # drop drafts the grammar refuses (they could only be rejected)
+                    seq.spec_tokens = seq.spec_tokens[:seq.grammar.validate(seq.spec_tokens)]
             else:  # layer_skip / draft: reserve k slots now; the draft fills them after scheduling
                 seq.spec_tokens = [0] * k
 
@@ -362,7 +374,7 @@ class LLMEngine:
         Returns the number of tokens appended."""
         drafts = seq.spec_tokens
         seq.spec_tokens = []
-        out = verify(logits, drafts, seq.params, seq.generator)
+        out = verify(logits, drafts, seq.params, seq.generator, seq.grammar)
         accepted = len(out) - 1
         c = self.spec_counters
         c.num_drafts += 1
@@ -411,6 +423,8 @@ class LLMEngine:
         p = seq.params
         delta = detokenize_step(self.tokenizer, seq, p.skip_special_tokens)
         n_out = seq.num_output_tokens
+        if seq.grammar is not None:
+            seq.grammar.accept(token)  # the sampler's mask only offers tokens the grammar accepts
         before = len(seq.output_text)
         seq.output_text += delta
         if n_out >= p.min_tokens:
@@ -422,6 +436,10 @@ class LLMEngine:
                 return self._finish(seq, "stop")
             if p.stop and self._check_stop_strings(seq, before):
                 return self._finish(seq, "stop")
+        if seq.grammar is not None and seq.grammar.is_terminated:  # the constrained output is complete
+            seq.output_text += detokenize_step(self.tokenizer, seq, p.skip_special_tokens, final=True)
+            seq.stop_reason = None
+            return self._finish(seq, "stop")
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             seq.output_text += detokenize_step(self.tokenizer, seq, p.skip_special_tokens, final=True)
             return self._finish(seq, "length")

@@ -17,7 +17,7 @@ from llmopt.engine.sequence import Sequence
 from llmopt.layers import compiled as kernels
 from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmopt.layers.kv_cache import PagedKVCache
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
 
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose full-vocabulary logits are held at once
@@ -40,7 +40,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_size: int, device: torch.device,
+    def __init__(self, model: CausalLM, cache: PagedKVCache, block_size: int, device: torch.device,
                  allow_compiled: bool = True):
         self.model = model
         self.cache = cache
@@ -220,7 +220,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         if rows:
             srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
-                                 s.generator) for s in seqs]
+                                 s.generator, s.grammar) for s in seqs]
             tokens, lps = sample(logits, srows)
             sampled = list(zip(seqs, tokens, lps, strict=True))
         t3 = time.perf_counter()

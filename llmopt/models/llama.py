@@ -1,4 +1,4 @@
-"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2): the only model implementation in llmopt.
+"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2): registered in `llmopt.models.registry`.
 
 Projections are fused (qkv, gate_up) to cut kernel launches and weight reads; every projection is a
 swappable Linear (see `llmopt.layers.linear`), so quantized modules drop in without touching this file.
@@ -17,6 +17,7 @@ from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import RMSNorm
 from llmopt.layers.rotary import RotaryEmbedding, apply_rotary
+from llmopt.models.base import CausalLM
 from llmopt.models.spec import ModelSpec
 
 
@@ -77,7 +78,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, compiled=fast), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    packed_modules_mapping = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
+        "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
+        "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),
+        "mlp.gate_proj": ("mlp.gate_up_proj", "gate_proj"),
+        "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
+    }
+    quantizable_linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
         self.spec = spec
@@ -102,6 +112,3 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, cache, meta)
         hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
         return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

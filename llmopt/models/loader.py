@@ -1,8 +1,7 @@
-"""Load Hugging Face-layout weights (safetensors) into our fused LlamaForCausalLM."""
+"""Load Hugging Face-layout weights (safetensors) into our fused model (the registry's class for the spec)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -10,22 +9,12 @@ from safetensors import safe_open
 
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import output_splits
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
+from llmopt.models.registry import build_model
 from llmopt.models.resolve import ResolvedModel, weights_dir
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-# HF projection name -> (our fused module, shard name)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", "gate_proj"),
-    "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-
 
 def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32") -> torch.dtype:
     """`auto` keeps the checkpoint dtype, except fp16 on CPU stays fp32 (CPU fp16 matmuls are slow)."""
@@ -38,23 +27,7 @@ def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32") -> torch.
     return _DTYPES[dtype]
 
 
-def hf_name_to_ours(name: str) -> tuple[str, str | None]:
-    """Map a checkpoint tensor name to (our parameter name, fused shard or None)."""
-    if name.startswith("model.layers."):
-        m = _LAYER_RE.match(name)
-        if not m:
-            return name, None
-        idx, mod, kind = m.groups()
-        if mod in _FUSED:
-            ours, shard = _FUSED[mod]
-            return f"layers.{idx}.{ours}.{kind}", shard
-        return f"layers.{idx}.{mod}.{kind}", None
-    if name.startswith("model."):
-        return name[len("model."):], None
-    return name, None
-
-
-def load_state_into(model: LlamaForCausalLM, directory: Path) -> None:
+def load_state_into(model: CausalLM, directory: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     files = sorted(directory.glob("*.safetensors"))
@@ -63,9 +36,10 @@ def load_state_into(model: LlamaForCausalLM, directory: Path) -> None:
             for name in st.keys():
                 if "rotary_emb" in name:
                     continue
-                ours, shard = hf_name_to_ours(name)
+                ours, shard = type(model).hf_to_ours(name)
                 if ours not in params:
-                    raise LlmoptError(f"{f.name}: unexpected tensor {name!r} (is this a llama-family model?)")
+                    raise LlmoptError(f"{f.name}: unexpected tensor {name!r} (does config.json's architecture "
+                                      f"match the weights?)")
                 target = params[ours]
                 tensor = st.get_tensor(name)
                 with torch.no_grad():
@@ -95,7 +69,7 @@ def load_state_into(model: LlamaForCausalLM, directory: Path) -> None:
 
 
 def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+               device: str | torch.device = "cpu") -> CausalLM:
     """Build our model for `resolved` and fill it from its weights (GGUF is converted once and cached)."""
     directory = weights_dir(resolved)
     torch_dtype = parse_dtype(dtype, resolved.spec.dtype)
@@ -104,7 +78,7 @@ def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
 
         return load_quantized_model(resolved, directory, torch_dtype, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(resolved.spec, dtype=torch_dtype, device="meta")
+        model = build_model(resolved.spec, torch_dtype, "meta")
     model = model.to_empty(device=device)
     # buffers (rotary tables) are not in the checkpoint: rebuild them on the real device
     _rebuild_rotary(model, device)
@@ -115,7 +89,7 @@ def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
     return model
 
 
-def _rebuild_rotary(model: LlamaForCausalLM, device) -> None:
+def _rebuild_rotary(model: CausalLM, device) -> None:
     from llmopt.layers.rotary import RotaryEmbedding
 
     s = model.spec

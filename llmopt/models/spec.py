@@ -7,18 +7,19 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from llmopt.errors import LlmoptError
+from llmopt.models import registry
 
-# model_type -> does it carry a bias on q/k/v
-SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}
-SUPPORTED_HINT = "supported architectures: llama (Llama 2/3, SmolLM2), mistral, qwen2"
+SUPPORTED_HINT = registry.supported_hint()
 
 
 class ModelSpec(BaseModel):
-    """A llama-family decoder, normalized from a Hugging Face `config.json` (or GGUF metadata)."""
+    """A decoder of one of the registry's architectures, normalized from a Hugging Face `config.json`
+    (or GGUF metadata)."""
 
     model_config = ConfigDict(frozen=True)
 
     model_type: str
+    architecture: str = ""  # the registry entry (HF `architectures` name); "" = look up by model_type
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -39,10 +40,8 @@ class ModelSpec(BaseModel):
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         """Normalize a transformers config dict. Accepts transformers 4.x and 5.x rope layouts."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = ",".join(cfg.get("architectures") or []) or "unknown"
-            raise LlmoptError(f"unsupported architecture model_type={model_type!r} ({archs}); {SUPPORTED_HINT}")
+        entry = registry.lookup(cfg)
+        model_type = str(cfg.get("model_type") or entry.model_type)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -69,11 +68,10 @@ class ModelSpec(BaseModel):
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
-        attention_bias = bool(cfg.get("attention_bias", SUPPORTED_MODEL_TYPES[model_type]))
-        if model_type == "qwen2":
-            attention_bias = True
+        attention_bias = entry.force_qkv_bias or bool(cfg.get("attention_bias", entry.qkv_bias))
         return cls(
             model_type=model_type,
+            architecture=entry.architecture,
             num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,

@@ -23,7 +23,8 @@ from torch import nn
 
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears, output_splits, set_submodule
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
+from llmopt.models.registry import build_model
 from llmopt.models.resolve import ResolvedModel, weights_dir
 from llmopt.quant.dequantized import DequantizedLinear
 from llmopt.quant.dynamic_int8 import Int8DynamicActivationLinear
@@ -194,12 +195,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             mod.to_empty(device=device, recurse=False)
 
 
-def _hf_to_ours(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
-
-
 def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.dtype,
-                         device: str | torch.device = "cpu") -> LlamaForCausalLM:
+                         device: str | torch.device = "cpu") -> CausalLM:
     """Our model for a GPTQ or compressed-tensors checkpoint; quantized linears compute in `dtype`."""
     from llmopt.layers.rotary import RotaryEmbedding
 
@@ -212,12 +209,12 @@ def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.
     spec = resolved.spec
     ts = _Tensors(directory)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, dtype=dtype, device="meta")
+        model = build_model(spec, dtype, "meta")
     used: set[str] = set()
     for name, mod in list(iter_linears(model)):
         if name == "lm_head" and spec.tie_word_embeddings:
             continue
-        names = hf_parts(name, mod)
+        names = hf_parts(model, name, mod)
         parts = [_read_part(ts, hf, qcfg) for hf in names]
         used.update(k for hf in names for k in ts.where if k.startswith(hf + "."))
         built = _build_linear(parts, dtype, device)
@@ -238,7 +235,7 @@ def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.
     for key in ts.where:
         if key in used or key.endswith(("k_scale", "v_scale")) or "rotary_emb" in key:
             continue
-        ours = _hf_to_ours(key)
+        ours, _ = type(model).hf_to_ours(key)
         if ours not in params:
             raise LlmoptError(f"{directory}: unexpected tensor {key!r}")
         with torch.no_grad():

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
 from llmopt.quant.kv_scales import KV_SCALES_FILE, write_kv_scales
 from llmopt.quant.pack_compressed import (
     compressed_config_group,
@@ -45,11 +45,7 @@ INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
 }
 
 
-def _hf_name(ours: str) -> str:
-    return ours if ours.startswith("lm_head") else f"model.{ours}"
-
-
-def float_tensors(model: LlamaForCausalLM, targets: list[Target]) -> dict[str, torch.Tensor]:
+def float_tensors(model: CausalLM, targets: list[Target]) -> dict[str, torch.Tensor]:
     """Every tensor not replaced by quantized ones, under HF names (fused float linears split by rows)."""
     quantized = {t.module for t in targets if t.scheme is not None}
     linears = dict(iter_linears(model))
@@ -59,10 +55,10 @@ def float_tensors(model: LlamaForCausalLM, targets: list[Target]) -> dict[str, t
         if mod_name in quantized and kind == "weight":
             continue
         if mod_name in linears:
-            for hf, (lo, hi) in hf_parts(mod_name, linears[mod_name]).items():
+            for hf, (lo, hi) in hf_parts(model, mod_name, linears[mod_name]).items():
                 out[f"{hf}.{kind}"] = p.data[lo:hi].contiguous().cpu()
         else:
-            out[_hf_name(name)] = p.data.contiguous().cpu()
+            out[type(model).hf_module_name(name)] = p.data.contiguous().cpu()
     return out
 
 
@@ -124,7 +120,7 @@ def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: 
     return _compressed_config(targets, act_order)
 
 
-def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any], model: LlamaForCausalLM,
+def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any], model: CausalLM,
                      targets: list[Target], modules: dict[str, QuantizedModule], fmt: str, act_order: bool,
                      damp: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """Write tensors, config.json (with quantization_config), tokenizer and generation config to `out`,

@@ -29,7 +29,7 @@ from torch import nn
 
 from llmopt.calibrate.forward import InputHook, KVObserver, embed_batches, layer_copy, run_layer
 from llmopt.layers.linear import output_splits
-from llmopt.models.llama import LlamaForCausalLM
+from llmopt.models.base import CausalLM
 from llmopt.quant.awq import (
     awq_search_clip,
     awq_search_scales,
@@ -125,7 +125,7 @@ def _output_rel_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> fl
 class SequentialQuantizer:
     """Runs the four steps (module doc) over every decoder layer of `model` (master weights fp32)."""
 
-    def __init__(self, model: LlamaForCausalLM, targets: list[Target], options: SequentialOptions,
+    def __init__(self, model: CausalLM, targets: list[Target], options: SequentialOptions,
                  windows: torch.Tensor | None, observe_kv: bool = False) -> None:
         self.model = model
         self.targets = {t.module: t for t in targets}

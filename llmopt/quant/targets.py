@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from llmopt.errors import LlmoptError
-from llmopt.layers.linear import iter_linears, output_splits
+from llmopt.layers.linear import iter_linears
 from llmopt.quant.recipe import W4_DEFAULT_GROUPS, ModuleScheme, QuantizeConfig, make_scheme
 from llmopt.quant.scheme import valid_group_sizes
 
@@ -30,14 +30,10 @@ class Target:
     scheme: ModuleScheme | None
 
 
-def hf_parts(name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
-    """HF names of the projections inside our module `name` (e.g. layers.0.self_attn.qkv_proj)."""
-    prefix = "" if name in UNQUANTIZED else "model."
-    splits = output_splits(module)
-    if not splits:
-        return {prefix + name: (0, module.out_features)}
-    parent = name.rpartition(".")[0]
-    return {f"{prefix}{parent}.{shard}": rows for shard, rows in splits.items()}
+def hf_parts(model: nn.Module, name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
+    """HF names of the projections inside our module `name` (e.g. layers.0.self_attn.qkv_proj), by the
+    model class's declared name mapping (`CausalLM.hf_parts`)."""
+    return type(model).hf_parts(name, module)  # type: ignore[attr-defined]
 
 
 def _w4_group(cfg: QuantizeConfig, in_features: list[int]) -> tuple[int | None, str | None]:
@@ -89,7 +85,7 @@ def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], l
     main = scheme_for(cfg.scheme, True)
     targets = []
     for name, mod in linears:
-        parts = hf_parts(name, mod)
+        parts = hf_parts(model, name, mod)
         chosen: dict[str, ModuleScheme | None] = {}
         for hf in parts:
             s: ModuleScheme | None = main

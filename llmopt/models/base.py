@@ -1,0 +1,86 @@
+"""`CausalLM`: what every model implementation provides, and what the rest of llmopt may rely on.
+
+Engine, calibration and quantization code is typed against this class, never a concrete model. A model
+class declares in one place how its checkpoint names map onto its modules (`packed_modules_mapping`,
+nano-vllm style: which HF projections are row shards of one of our fused linears) and which linears
+quantization may swap (`quantizable_linears`); the loader, the quantized-checkpoint reader and the
+exporters all go through `hf_to_ours` / `hf_parts` below.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmopt.layers.linear import output_splits
+from llmopt.models.spec import ModelSpec
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.([A-Za-z_]+)$")
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a flat token batch and the paged KV cache.
+
+    Attributes every implementation has: `spec`, `embed_tokens`, `rotary` (a non-persistent RoPE table,
+    rebuilt after meta-device construction), `layers` (each called as
+    `layer(rope, hidden, residual, cache, meta) -> (hidden, residual)`), `norm` and `lm_head`."""
+
+    # HF module path inside a decoder layer -> (our fused module, shard name in its output_splits)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
+    # our per-layer linears that quantization may swap (module paths inside a decoder layer)
+    quantizable_linears: ClassVar[tuple[str, ...]] = ()
+
+    spec: ModelSpec
+    embed_tokens: nn.Embedding
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta,
+                num_layers: int | None = None) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- checkpoint names <-> ours ----------------------------------------
+    @classmethod
+    def hf_to_ours(cls, name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor name -> (our parameter name, fused shard or None)."""
+        m = _LAYER_RE.match(name)
+        if m:
+            idx, mod, kind = m.groups()
+            if mod in cls.packed_modules_mapping:
+                ours, shard = cls.packed_modules_mapping[mod]
+                return f"layers.{idx}.{ours}.{kind}", shard
+            return f"layers.{idx}.{mod}.{kind}", None
+        if name.startswith("model."):
+            return name[len("model."):], None
+        return name, None
+
+    @classmethod
+    def hf_module_name(cls, ours: str) -> str:
+        """Our unfused module (or parameter) name -> its checkpoint name (`model.` prefix but lm_head)."""
+        return ours if ours.startswith("lm_head") else f"model.{ours}"
+
+    @classmethod
+    def hf_parts(cls, name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
+        """Checkpoint names of the projections inside our module `name` and their output row ranges
+        (one entry, all rows, for an unfused linear)."""
+        splits = output_splits(module)
+        if not splits:
+            return {cls.hf_module_name(name): (0, module.out_features)}
+        m = re.match(r"^(layers\.\d+)\.(.+)$", name)
+        if not m:
+            raise ValueError(f"fused module {name!r} is not inside a decoder layer")
+        layer, local = m.groups()
+        by_shard = {shard: hf for hf, (ours, shard) in cls.packed_modules_mapping.items() if ours == local}
+        missing = set(splits) - set(by_shard)
+        if missing:
+            raise ValueError(f"{cls.__name__}.packed_modules_mapping lacks {local}:{sorted(missing)[0]}")
+        return {cls.hf_module_name(f"{layer}.{by_shard[shard]}"): rows for shard, rows in splits.items()}
+

@@ -1,0 +1,82 @@
+"""The model registry: which Hugging Face architectures llmopt runs, and with which implementation.
+
+Each entry maps a config's `architectures` entry (or, failing that, its `model_type`) to one of our
+model classes, plus the architecture facts a config may leave implicit (a default q/k/v bias, q/k
+norms). The entries are plain data, so `ModelSpec` (and vram-plan) read them without importing torch;
+the model class is imported only when a model is built. What a model class declares itself (its
+checkpoint-name mapping and quantizable linears) lives on the class, see `llmopt.models.base`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmopt.errors import LlmoptError
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmopt.models.base import CausalLM
+    from llmopt.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    architecture: str  # the HF `architectures` entry, e.g. "LlamaForCausalLM"
+    model_type: str  # the HF `model_type`, e.g. "llama"
+    impl: str  # "module:Class" of our implementation
+    label: str = ""  # the models people know it by (for messages and docs)
+    qkv_bias: bool = False  # q/k/v bias when the config has no `attention_bias`
+    force_qkv_bias: bool = False  # the bias is part of the architecture (Qwen2 configs never say)
+    qk_norm: bool = False  # RMSNorm on every q and k head before RoPE (Qwen3)
+
+
+_LLAMA = "llmopt.models.llama:LlamaForCausalLM"
+
+REGISTRY: tuple[ModelEntry, ...] = (
+    ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "Llama 2/3, SmolLM2"),
+    ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "Mistral, sliding window"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2/2.5", qkv_bias=True, force_qkv_bias=True),
+)
+BY_ARCHITECTURE = {e.architecture: e for e in REGISTRY}
+BY_MODEL_TYPE = {e.model_type: e for e in REGISTRY}
+
+
+def supported_hint() -> str:
+    """One line listing the registry, for errors and docs."""
+    return "supported architectures: " + ", ".join(
+        f"{e.model_type} ({e.architecture}{': ' + e.label if e.label else ''})" for e in REGISTRY)
+
+
+def lookup(cfg: dict[str, Any]) -> ModelEntry:
+    """The registry entry for a HF config dict: its first known `architectures` entry, else `model_type`."""
+    archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
+    for a in archs:
+        if a in BY_ARCHITECTURE:
+            return BY_ARCHITECTURE[a]
+    model_type = cfg.get("model_type")
+    if model_type in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[model_type]
+    raise LlmoptError(f"unsupported architecture model_type={model_type!r} ({','.join(archs) or 'unknown'}); "
+                      f"{supported_hint()}")
+
+
+def entry_for(spec: ModelSpec) -> ModelEntry:
+    if spec.architecture in BY_ARCHITECTURE:
+        return BY_ARCHITECTURE[spec.architecture]
+    if spec.model_type in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[spec.model_type]
+    raise LlmoptError(f"no model implementation for model_type={spec.model_type!r}; {supported_hint()}")
+
+
+def model_class(spec: ModelSpec) -> type[CausalLM]:
+    """Our implementation class for `spec` (imported on first use)."""
+    module, _, name = entry_for(spec).impl.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(spec: ModelSpec, dtype: torch.dtype, device: Any = "cpu") -> CausalLM:
+    """An (uninitialized when `device` is meta) instance of the model class for `spec`."""
+    return model_class(spec)(spec, dtype=dtype, device=device)
