@@ -126,3 +126,16 @@ def test_cli_generate_json(tiny_llama):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["output_tokens"] <= 5 and out["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("model_type,arch,bias,qk_norm", [
+    ("llama", "LlamaForCausalLM", False, False), ("mistral", "MistralForCausalLM", False, False),
+    ("qwen2", "Qwen2ForCausalLM", True, False), ("qwen3", "Qwen3ForCausalLM", False, True),
+])
+def test_spec_per_family(model_type, arch, bias, qk_norm):
+    cfg = {**LLAMA3_8B, "model_type": model_type, "architectures": [arch], "rope_scaling": None, "head_dim": 256}
+    s = ModelSpec.from_hf_config(cfg)
+    assert (s.architecture, s.attention_bias, s.qk_norm, s.head_dim) == (arch, bias, qk_norm, 256)
+    base = ModelSpec.from_hf_config({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    extra = 32 * ((32 * 256 + 2 * 8 * 256) * bias + 2 * 256 * qk_norm)
+    assert s.num_params() == base.num_params() + extra

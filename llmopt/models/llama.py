@@ -1,4 +1,6 @@
-"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2): registered in `llmopt.models.registry`.
+"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 dense), registered in
+`llmopt.models.registry`. The family's differences are data in `ModelSpec`: q/k/v bias (Qwen2), RMSNorm
+on each q and k head before RoPE (Qwen3, `qk_norm`), a head_dim that is not hidden / heads.
 
 Projections are fused (qkv, gate_up) to cut kernel launches and weight reads; every projection is a
 swappable Linear (see `llmopt.layers.linear`), so quantized modules drop in without touching this file.
@@ -30,6 +32,10 @@ class LlamaAttention(nn.Module):
                                                        "v_proj": self.kv_size},
                                     bias=spec.attention_bias, dtype=dtype, device=device)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.qk_norm = spec.qk_norm
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
@@ -37,6 +43,9 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         # q and k heads are adjacent in the fused output: rotate them in one go
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q, compiled=meta.compiled), self.k_norm(k, compiled=meta.compiled)], dim=1)
         qk = kernels.call(meta.compiled, apply_rotary, qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)

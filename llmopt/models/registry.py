@@ -39,6 +39,7 @@ REGISTRY: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "Llama 2/3, SmolLM2"),
     ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "Mistral, sliding window"),
     ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2/2.5", qkv_bias=True, force_qkv_bias=True),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3 dense", qk_norm=True),
 )
 BY_ARCHITECTURE = {e.architecture: e for e in REGISTRY}
 BY_MODEL_TYPE = {e.model_type: e for e in REGISTRY}

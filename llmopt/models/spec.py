@@ -29,6 +29,7 @@ class ModelSpec(BaseModel):
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head (head_dim weights) before RoPE (Qwen3)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
@@ -81,6 +82,7 @@ class ModelSpec(BaseModel):
             vocab_size=vocab,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
+            qk_norm=entry.qk_norm,
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -116,9 +118,10 @@ class ModelSpec(BaseModel):
         return sum(o * i for o, i in self.linear_shapes().values())
 
     def layer_other_params(self) -> int:
-        """Norm weights and q/k/v biases of one decoder layer."""
+        """Norm weights (q/k norms too) and q/k/v biases of one decoder layer."""
         bias = (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
-        return 2 * self.hidden_size + bias
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * self.hidden_size + bias + qk_norm
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size

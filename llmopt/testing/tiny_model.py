@@ -1,4 +1,5 @@
-"""Write a tiny random-weight llama-family model (config, safetensors, tokenizer) to a directory.
+"""Write a tiny random-weight model of a registered family (llama, mistral, qwen2, qwen3: config,
+safetensors, tokenizer) to a directory, with transformers itself.
 
 Tests use it so that most of the suite runs in seconds without the real SmolLM2. The tokenizer is a
 byte-level BPE trained on a few lines of text, so it is self-contained and works offline.
@@ -64,8 +65,14 @@ def write_tiny_llama(
     seed: int = 0,
     dtype: str = "float32",
     tokenizer_vocab_size: int = 512,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    layer_types: list[str] | None = None,
 ) -> Path:
-    """Create a random-weight model directory that both transformers and llmopt load."""
+    """Create a random-weight model directory that both transformers and llmopt load.
+
+    `head_dim` may differ from hidden / heads (Qwen3 does). `sliding_window` (mistral, qwen2, qwen3):
+    the attention window, on every layer, or on those `layer_types` marks "sliding_attention"."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -75,7 +82,7 @@ def write_tiny_llama(
     cfg: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM"}[model_type]],
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,
@@ -93,8 +100,18 @@ def write_tiny_llama(
     }
     if rope_scaling:
         cfg["rope_scaling"] = rope_scaling
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
     if model_type == "mistral":
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = sliding_window
+    elif model_type in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = sliding_window is not None
+        cfg["sliding_window"] = sliding_window
+        cfg["max_window_layers"] = 0
+    elif sliding_window is not None:
+        raise ValueError(f"{model_type} has no sliding window")
+    if layer_types is not None:
+        cfg["layer_types"] = layer_types
     config = AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

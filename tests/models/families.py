@@ -1,0 +1,33 @@
+"""Session fixtures: tiny random-weight checkpoints of the families the registry added after llama/qwen2.
+
+Import the fixtures into a test module (`from tests.models.families import tiny_qwen3  # noqa: F401`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmopt.testing.tiny_model import write_tiny_llama
+
+WINDOW = 16  # sliding window of the tiny Mistral: far shorter than the 20-90-token test prompts
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """Qwen3: q/k RMSNorm per head, no qkv bias, head_dim 32 != hidden 64 / 4 heads."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3"), model_type="qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_sw(tmp_path_factory) -> Path:
+    """Mistral with sliding_window=16 on every layer."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-mistral-sw"), model_type="mistral", sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_mixed(tmp_path_factory) -> Path:
+    """Qwen3 whose layers alternate sliding (window 16) and full attention (transformers' `layer_types`)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3-mixed"), model_type="qwen3", head_dim=32,
+                            num_layers=3, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"])
