@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.llmopt-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench clean interop
+.PHONY: install demo test test-fast lint bench clean interop bench-peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ test-fast: install
 interop: install
 	bash benchmarks/peers/install_vllm.sh
 	$(PY) benchmarks/peers/vllm_interop.py $(INTEROP_ARGS)
+
+# Not part of `make test`: builds llama.cpp (minutes, .peers/llama.cpp) and vLLM CPU, then llmopt serve vs
+# llama-server vs vLLM CPU at matched precision; PEERS_ARGS="--quick" for a short run (docs/BENCHMARKS.md, Peers)
+bench-peers: install
+	bash benchmarks/peers/install_llamacpp.sh
+	bash benchmarks/peers/install_vllm.sh
+	$(PY) benchmarks/peers/run_peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
