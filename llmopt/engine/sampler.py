@@ -1,8 +1,14 @@
-"""Sampler: logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+"""Sampler: grammar masks, logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds and
+logprobs.
 
 Rows that are greedy and need nothing else take a plain argmax (the common fast path). Sampling uses the
 exponential-race trick (argmax of p / E with E ~ Exp(1)), which equals a categorical draw and lets each
 request use its own seeded generator.
+
+Structured outputs (llmopt.engine.structured_output) come first: a constrained row's disallowed tokens
+are set to -inf before anything else, so its reported logprobs are those of the masked distribution
+(as in vLLM, which applies the grammar bitmask to the logits before its sampler). Such a row skips the
+min_tokens mask: its grammar alone decides when it may end.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.engine.sampling_params import SamplingParams
+from llmopt.engine.structured_output import GrammarMatcher, mask_rows
 
 
 @dataclass
@@ -23,6 +30,7 @@ class SamplingRow:
     num_prompt_tokens: int
     stop_ids: tuple[int, ...]  # eos + stop_token_ids, masked until min_tokens is reached
     generator: torch.Generator | None
+    grammar: GrammarMatcher | None = None  # structured outputs: the sequence's grammar state
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -44,7 +52,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
                     0, ids, torch.ones_like(ids, dtype=torch.float32))
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens and r.stop_ids:
+        if p.min_tokens and r.grammar is None and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens and r.stop_ids:
             logits[i, list(r.stop_ids)] = float("-inf")
 
 
@@ -56,11 +64,15 @@ def _needs_processing(p: SamplingParams, num_out: int) -> bool:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict[int, float] | None]]:
     """logits: [N, V] float32 (one row per sequence). Returns the chosen token ids and, per row, the
     top-n logprobs (plus the chosen token) of the model's raw distribution (before bias and penalties,
-    as vLLM reports them), or None."""
+    as vLLM reports them; after a grammar's mask), or None."""
+    g_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if g_rows:
+        logits = logits.clone()
+        mask_rows(logits, g_rows, [rows[i].grammar for i in g_rows])
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     if any(_needs_processing(r.params, len(r.token_ids) - r.num_prompt_tokens) for r in rows):
-        logits = logits.clone()
+        logits = logits if g_rows else logits.clone()
         _apply_penalties(logits, rows)
     greedy = [r.params.greedy for r in rows]
     chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)

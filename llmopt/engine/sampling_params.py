@@ -6,6 +6,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmopt.engine.structured_output import StructuredOutputsParams
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -32,6 +34,9 @@ class SamplingParams(BaseModel):
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias, -100..100)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # grammar-constrained decoding (vLLM's structured_outputs): a JSON schema, any JSON object, a regex, a
+    # choice of strings or a grammar; the request ends ("stop") when the grammar is complete
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -44,6 +44,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
+        self.grammar = None  # structured outputs: this sequence's GrammarMatcher, advanced as tokens append
         # speculative decoding: draft tokens scored this step, and the request's running acceptance
         self.spec_tokens: list[int] = []
         self.spec_proposed = 0

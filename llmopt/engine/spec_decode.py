@@ -23,6 +23,10 @@ Three proposers, all greedy (so q is one-hot on the draft and the rejection rule
   draft up on the tokens it has not seen (a prefill chunk), then runs k - 1 single-token steps. Only
   the draft positions the target accepts stay counted, so rejected ones are recomputed next round.
 
+Structured outputs stay exact: the verifier masks each scored position with the request's grammar state
+after the drafts before it (`structured_output.draft_masks`), and prompt-lookup drafts are cut at the
+first token the grammar refuses.
+
 Speculation is skipped per request when its running acceptance rate falls below a threshold, and for
 the whole step when the batch is large enough that verification costs more than it saves.
 """
@@ -37,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.engine.sampler import processed_probs
 from llmopt.engine.sampling_params import SamplingParams
+from llmopt.engine.structured_output import GrammarMatcher, draft_masks
 
 
 class SpeculativeConfig(BaseModel):
@@ -109,9 +114,14 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> list[int]:
+           generator: torch.Generator | None, grammar: GrammarMatcher | None = None) -> list[int]:
     """logits: [len(drafts)+1, V] for the last real token and each draft. Returns the accepted drafts
-    followed by one token chosen by the target (the correction or the bonus token)."""
+    followed by one token chosen by the target (the correction or the bonus token). With a grammar
+    (structured outputs), each position's distribution is the masked one the sampler would draw from,
+    so a draft the grammar refuses has probability 0 and is rejected; output stays exact."""
+    if grammar is not None:
+        logits = logits.clone()
+        draft_masks(grammar, drafts, logits)
     if params.greedy:
         target = logits.argmax(dim=-1).tolist()
         out = []
