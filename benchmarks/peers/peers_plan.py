@@ -421,7 +421,7 @@ def _fmt(s: Stat | None, digits: int = 1, spread: bool = True) -> str:
 
 def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], sizes: Sizes,
              labels: dict[str, str] | None = None, limits: dict[str, DecodeLimit] | None = None,
-             bandwidth_gbs: float | None = None, notes: Sequence[str] = ()) -> str:
+             notes: Sequence[str] = ()) -> str:
     """The results as Markdown: a summary table (one row per server), the concurrency sweep, the goals."""
     labels = labels or {}
     limits = limits or {}
@@ -460,12 +460,17 @@ def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], si
                            f"{_fmt(cell.get('output_throughput'))} / {_fmt(cell.get('ttft_p99_ms'), 0, False)}")
             lines.append(f"| {s} | " + " | ".join(row) + " |")
     if limits:
-        lines += ["", "Physical limit of single-stream decode: weight bytes + mean KV bytes read per token over "
-                  f"measured memory bandwidth ({bandwidth_gbs:.1f} GB/s):" if bandwidth_gbs else "", "",
-                  "| server | weights MB/token | KV MB/token | limit tok/s |", "|---|---|---|---|"]
+        lines += ["", "Physical limit of single-stream decode: weight bytes + mean KV bytes read per decoded token "
+                  "over the memory read bandwidth measured on a buffer of the weights' size:", "",
+                  "| server | weights MB/token | KV MB/token | read GB/s | limit tok/s | measured tok/s | share |",
+                  "|---|---|---|---|---|---|---|"]
         for s in servers:
             if (lim := limits.get(s)) is not None:
-                lines.append(f"| {s} | {lim.weight_bytes / 1e6:.1f} | {lim.kv_bytes / 1e6:.2f} | {lim.tokens_per_s:.0f} |")
+                single = cells.get((s, "single", 1))
+                dec = single.get("decode_tps") if single else None
+                share = lim.share(dec.median) if dec else None
+                lines.append(f"| {s} | {lim.weight_bytes / 1e6:.1f} | {lim.kv_bytes / 1e6:.2f} | {lim.bandwidth_gbs:.1f} | "
+                             f"{lim.tokens_per_s:.0f} | {_fmt(dec)} | {'—' if share is None else f'{100 * share:.0f}%'} |")
     gl = goals(cells, sizes)
     if any(g.met is not None for g in gl):
         lines += ["", "| goal | measured | met |", "|---|---|---|"]

@@ -42,6 +42,7 @@ import peers_plan as pp  # noqa: E402
 import peers_servers as ps  # noqa: E402
 
 DOC = ROOT / "docs/BENCHMARKS.md"
+DRAM_MIB = 2048  # a buffer well past the 480 MiB L3 of the machine this was written on: DRAM bandwidth
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,8 +104,8 @@ def server_models(names: list[str]) -> dict[str, str]:
     return out
 
 
-def limits_for(models: dict[str, str], sizes: pp.Sizes, bandwidth_gbs: float) -> dict[str, pp.DecodeLimit]:
-    kv = pp.kv_bytes_per_position(ps.model_config(ps.hf_dir()))
+def weight_bytes(models: dict[str, str]) -> dict[str, int]:
+    """name -> weight bytes one decode step reads (from the tensors each server loads)."""
     out = {}
     for name, path in models.items():
         try:
@@ -112,8 +113,25 @@ def limits_for(models: dict[str, str], sizes: pp.Sizes, bandwidth_gbs: float) ->
         except Exception as e:  # noqa: BLE001 - a missing reader only loses this column
             print(f"warning: tensor sizes of {path}: {e}", file=sys.stderr)
             continue
-        out[name] = pp.decode_limit(pp.bytes_read_per_token(tensors), kv, sizes.single_input, sizes.single_output,
-                                    bandwidth_gbs)
+        out[name] = pp.bytes_read_per_token(tensors)
+    return out
+
+
+def buffer_mib(nbytes: int) -> int:
+    return max(16, round(nbytes / 2**20))
+
+
+def limits_for(result: dict, sizes: pp.Sizes) -> dict[str, pp.DecodeLimit]:
+    """The decode limit of every server: its weights + mean KV per token over the read bandwidth measured on a
+    buffer of its weights' size (this CPU's L3 is large enough that a small model's working set can stay in it,
+    so a DRAM-sized buffer would understate what decode can reach)."""
+    bw = result.get("bandwidth", {})
+    out = {}
+    for name, w in result.get("weights", {}).items():
+        b = bw.get(str(buffer_mib(w)))
+        if b:
+            out[name] = pp.decode_limit(w, result["kv_per_position"], sizes.single_input, sizes.single_output,
+                                        b["read_gbs"])
     return out
 
 
@@ -179,9 +197,11 @@ def run(args: argparse.Namespace, sizes: pp.Sizes, names: list[str], out: Path) 
     workloads = _csv(args.workloads)
     job_list = pp.jobs(sizes, workloads)
     models = server_models(names)
-    print(f"measuring memory bandwidth with {args.threads} threads", file=sys.stderr, flush=True)
-    bw = ps.measure_bandwidth(args.threads)
-    bw_gbs = max(bw["read_gbs"], bw["copy_gbs"])
+    weights = weight_bytes(models)
+    bw = {}
+    for mib in sorted({buffer_mib(w) for w in weights.values()} | {DRAM_MIB}):
+        print(f"measuring memory bandwidth: {mib} MiB, {args.threads} threads", file=sys.stderr, flush=True)
+        bw[str(mib)] = ps.measure_bandwidth(args.threads, mib)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rows: list[pp.Row] = []
@@ -219,7 +239,8 @@ def run(args: argparse.Namespace, sizes: pp.Sizes, names: list[str], out: Path) 
         events.append({"round": round_, "server": name, "seconds": round(time.monotonic() - t0, 1),
                        "ready_s": round(srv.ready_s or 0, 1), "loadavg_before": load0, "loadavg_after": os.getloadavg()})
     return {"rows": [dataclasses.asdict(r) for r in rows], "events": events, "failed_start": failed_start,
-            "models": models, "bandwidth": bw, "bandwidth_gbs": bw_gbs, "servers": names,
+            "models": models, "weights": weights, "kv_per_position": pp.kv_bytes_per_position(ps.model_config(ps.hf_dir())),
+            "bandwidth": bw, "servers": names,
             "sizes": dataclasses.asdict(sizes), "jobs": [dataclasses.asdict(j) for j in job_list]}
 
 
@@ -261,13 +282,14 @@ def render(result: dict, out: Path, command: str, notes: list[str], write_doc: b
     rows = [pp.Row(**r) for r in result["rows"]]
     cells = pp.aggregate(rows)
     servers = result["servers"]
-    limits = limits_for(result["models"], sizes, result["bandwidth_gbs"]) if result.get("models") else {}
+    limits = limits_for(result, sizes)
     labels = {s: pp.SERVERS[s][2] for s in servers}
     env_notes = [f"Command: `{command}`",
-                 f"Machine: {result.get('cpu', cpu_name())}, {result['threads']} threads per server; memory bandwidth "
-                 f"{result['bandwidth']['read_gbs']:.1f} GB/s read, {result['bandwidth']['copy_gbs']:.1f} GB/s copy "
-                 f"(torch, {result['threads']} threads, {result['bandwidth']['buffer_mib']} MiB); load average "
-                 f"{_loads(result)} while measuring.",
+                 f"Machine: {result.get('cpu', cpu_name())}, {result['threads']} threads per server; memory read "
+                 f"bandwidth (torch sum, {result['threads']} threads, best of 7) "
+                 + ", ".join(f"{b['read_gbs']:.1f} GB/s on {m} MiB" for m, b in sorted(result["bandwidth"].items(),
+                                                                                   key=lambda kv: int(kv[0])))
+                 + f"; load average {_loads(result)} while measuring.",
                  f"{sizes.rounds} rounds, servers interleaved; warm-up {sizes.warmup} requests before every level; "
                  f"mixed: prompts {sizes.mixed_input}, outputs {sizes.mixed_output} tokens; single: "
                  f"{sizes.single_input}-token prompt, {sizes.single_output} out (tok/s = 1000 / TPOT p50); prefix: "
@@ -278,7 +300,7 @@ def render(result: dict, out: Path, command: str, notes: list[str], write_doc: b
                  + result.get("versions", {}).get("llama.cpp", "?").replace("\n", "; ")]
     for s, why in result.get("failed_start", {}).items():
         env_notes.append(f"{s} did not run: {why}")
-    md = pp.markdown(cells, servers, sizes, labels, limits, result["bandwidth_gbs"], [*env_notes, *notes])
+    md = pp.markdown(cells, servers, sizes, labels, limits, [*env_notes, *notes])
     (out / "results.md").write_text(md)
     if plot(cells, servers, out / "peers.png"):
         md_png = out / "peers.png"

@@ -175,13 +175,14 @@ def test_markdown_table():
     cells = _cells((250, 10, 100, 1), (100, 10, 200, 1), 8.0, 10.0, 30, 40)
     lim = pp.decode_limit(270_000_000, 23040, 32, 256, 27.0)
     md = pp.markdown(cells, ["llmopt-bf16", "llamacpp-bf16", "vllm-bf16"], sizes, {"llmopt-bf16": "bf16"},
-                     {"llmopt-bf16": lim}, 27.0, ["a note"])
+                     {"llmopt-bf16": lim}, ["a note"])
     lines = md.splitlines()
     ours = next(ln for ln in lines if ln.startswith("| llmopt-bf16 | bf16 |"))
     assert "250.0 (c8)" in ours and f"{100 * 125 / lim.tokens_per_s:.0f}% of {lim.tokens_per_s:.0f}" in ours
     assert "| 30 |" in ours  # prefix TTFT p50
     assert not any(ln.startswith("| vllm-bf16") for ln in lines)  # not measured: no row
     assert "| c8 |" in md and "| goal | measured | met |" in md and "* a note" in md
+    assert f"| llmopt-bf16 | 270.0 | 3.69 | 27.0 | {lim.tokens_per_s:.0f} | 125.0 |" in md
     assert all(ln.count("|") == lines[0].count("|") for ln in lines[:4])
 
 
@@ -251,9 +252,9 @@ def test_render_writes_table_png_and_doc(tmp_path, monkeypatch):
     rows = _rows("llmopt-bf16", "mixed", 2, [(100, 10, 20, 5), (110, 12, 30, 5)]) \
         + _rows("llamacpp-bf16", "mixed", 2, [(50, 10, 20, 5), (52, 10, 22, 5)])
     result = {"rows": [r.__dict__ for r in rows], "servers": ["llmopt-bf16", "llamacpp-bf16"], "models": {},
-              "sizes": {**pp.QUICK.__dict__, "concurrencies": [2]}, "bandwidth": {"read_gbs": 20.0, "copy_gbs": 18.0,
-                                                                                  "buffer_mib": 64},
-              "bandwidth_gbs": 20.0, "threads": 2, "events": [{"loadavg_before": [3.0], "loadavg_after": [4.5]}],
+              "sizes": {**pp.QUICK.__dict__, "concurrencies": [2]},
+              "bandwidth": {"2048": {"read_gbs": 20.0}, "257": {"read_gbs": 40.0}},
+              "weights": {"llmopt-bf16": 269_000_000}, "kv_per_position": 23040, "threads": 2, "events": [{"loadavg_before": [3.0], "loadavg_after": [4.5]}],
               "versions": {"llmopt": "0", "llama.cpp": "build: native\nsmoke: ok"}, "failed_start": {"vllm-bf16": "x"}}
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("# Benchmarks\n\n## Peers\n\nprose\n")
@@ -262,6 +263,7 @@ def test_render_writes_table_png_and_doc(tmp_path, monkeypatch):
     assert (tmp_path / "results.md").read_text() == md and (tmp_path / "peers.png").stat().st_size > 1000
     assert "105.0 ±5% (c2)" in md and "vllm-bf16 did not run: x" in md and "load average 3.0–4.5" in md
     assert "`python benchmarks/peers/run_peers.py --quick`" in md and "* loaded machine" in md
+    assert "40.0 GB/s on 257 MiB" in md and "| llmopt-bf16 | 269.0 | 3.69 | 40.0 | 147 |" in md
     assert doc.read_text().startswith("# Benchmarks\n\n## Peers\n\nprose\n\n" + pp.BEGIN)
 
 
