@@ -10,7 +10,7 @@ import torch
 from llmopt import LLM, SamplingParams
 from llmopt.engine.llm_engine import RequestError
 from tests.engine_utils import hf_greedy, token_ids
-from tests.models.families import tiny_qwen3  # noqa: F401
+from tests.models.families import tiny_mistral_sw, tiny_qwen3, tiny_qwen3_mixed  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -26,7 +26,7 @@ def _assert_pool_clean(llm: LLM) -> None:
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_sw", "tiny_qwen3_mixed"])
 def test_greedy_matches_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = LLM(str(model_dir), dtype="float32")
@@ -36,7 +36,7 @@ def test_greedy_matches_transformers(fixture, request):
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "tiny_mistral_sw"])
 def test_batch_invariance_chunking_prefix_cache_and_preemption(family, request):
     tiny_llama = request.getfixturevalue(family)
     base = LLM(str(tiny_llama), dtype="float32")

@@ -1,6 +1,7 @@
 """Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 dense), registered in
 `llmopt.models.registry`. The family's differences are data in `ModelSpec`: q/k/v bias (Qwen2), RMSNorm
-on each q and k head before RoPE (Qwen3, `qk_norm`), a head_dim that is not hidden / heads.
+on each q and k head before RoPE (Qwen3, `qk_norm`), a head_dim that is not hidden / heads, and
+per-layer sliding-window attention (Mistral, `layer_types`), masked in `PagedAttention`.
 
 Projections are fused (qkv, gate_up) to cut kernel launches and weight reads; every projection is a
 swappable Linear (see `llmopt.layers.linear`), so quantized modules drop in without touching this file.
@@ -36,7 +37,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
         self.qk_norm = spec.qk_norm
-        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   window=spec.attention_window(layer_idx))
 
     def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)

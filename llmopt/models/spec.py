@@ -30,6 +30,10 @@ class ModelSpec(BaseModel):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head (head_dim weights) before RoPE (Qwen3)
+    # per-layer attention: "full_attention" or "sliding_attention" (each query sees the last
+    # `sliding_window` positions, itself included); empty = every layer full
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
@@ -70,6 +74,7 @@ class ModelSpec(BaseModel):
         eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
         attention_bias = entry.force_qkv_bias or bool(cfg.get("attention_bias", entry.qkv_bias))
+        layer_types, window = _attention_layout(cfg, model_type, layers)
         return cls(
             model_type=model_type,
             architecture=entry.architecture,
@@ -83,6 +88,8 @@ class ModelSpec(BaseModel):
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=entry.qk_norm,
+            layer_types=layer_types,
+            sliding_window=window,
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -93,6 +100,12 @@ class ModelSpec(BaseModel):
         )
 
     # ---- derived sizes -------------------------------------------------
+    def attention_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full causal attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -134,3 +147,36 @@ class ModelSpec(BaseModel):
         """Exact parameter count (tied embeddings counted once)."""
         per_layer = self.layer_linear_params() + self.layer_other_params()
         return self.embedding_params() + self.lm_head_params() + self.num_layers * per_layer + self.hidden_size
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _attention_layout(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) as transformers applies them: an explicit `layer_types` list; else
+    Mistral's `sliding_window` on every layer; else Qwen2/3's `use_sliding_window` on the layers from
+    `max_window_layers` on. A window that covers every position is no window."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type == "mistral" and window:
+            types = ["sliding_attention"] * num_layers
+        elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
+            first = int(cfg.get("max_window_layers", 0))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        else:
+            return (), None
+    types = [str(t) for t in types]
+    if len(types) != num_layers:
+        raise LlmoptError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise LlmoptError(f"unsupported attention layer type {unknown[0]!r}; supported: {', '.join(LAYER_TYPES)}")
+    if "sliding_attention" not in types:
+        return (), None
+    if not window or int(window) <= 0:
+        raise LlmoptError("layer_types has sliding_attention layers but config.json sets no sliding_window")
+    window = int(window)
+    if window >= int(cfg.get("max_position_embeddings", 2048)):
+        return (), None
+    return tuple(types), window

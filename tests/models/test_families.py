@@ -1,5 +1,5 @@
-"""Every registered family against transformers on tiny random checkpoints: fp32 logits, and the
-checkpoint -> our fused modules mapping (Qwen3's q/k norms, a head_dim that is not hidden / heads)."""
+"""Every registered family against transformers on tiny random checkpoints: fp32 logits (sliding-window
+ones too, on sequences longer than the window), and the checkpoint -> our fused modules mapping (Qwen3's q/k norms, a head_dim that is not hidden / heads)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from llmopt import LLM
 from llmopt.engine.scoring import iter_logits
 from llmopt.models import resolve_model
-from tests.models.families import tiny_qwen3  # noqa: F401
+from tests.models.families import tiny_mistral_sw, tiny_qwen3, tiny_qwen3_mixed  # noqa: F401
 
 SEQS = [[5, 9, 17, 33, 65, 129, 200], list(range(3, 300, 7)), [1] * 3 + list(range(300, 340))]
-FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3"]
+FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_sw", "tiny_qwen3_mixed"]
 
 
 def hf_logits(model_dir, seqs) -> list[torch.Tensor]:

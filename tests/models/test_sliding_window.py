@@ -1,0 +1,98 @@
+"""Sliding-window attention (Mistral `sliding_window`, per-layer `layer_types`) against transformers:
+token-identical greedy fp32 output with prompts longer than the window, decoding past it, chunked
+prefill and prefix-cache hits; and the attention kernels' window masks against SDPA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt import LLM, SamplingParams
+from llmopt.layers import compiled as kernels
+from llmopt.layers.attention import causal_attention
+from llmopt.models import ModelSpec, resolve_model
+from llmopt.models.llama import LlamaForCausalLM
+from tests.engine_utils import hf_greedy, token_ids
+from tests.models.families import WINDOW, tiny_mistral_sw, tiny_qwen3_mixed  # noqa: F401
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def _prompts(vocab: int, n: int, seed: int = 0, lo: int = 40, hi: int = 80) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_spec_reads_windows_per_layer(tiny_mistral_sw, tiny_qwen3_mixed):  # noqa: F811
+    m = resolve_model(str(tiny_mistral_sw)).spec
+    assert m.sliding_window == WINDOW and [m.attention_window(i) for i in range(m.num_layers)] == [WINDOW] * 2
+    q = resolve_model(str(tiny_qwen3_mixed)).spec
+    assert [q.attention_window(i) for i in range(q.num_layers)] == [WINDOW, None, WINDOW]
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 100, "max_position_embeddings": 4096}
+    # no window set, a window as long as the context, Qwen2 with use_sliding_window off: full attention
+    for cfg in ({"model_type": "mistral", "sliding_window": None},
+                {"model_type": "mistral", "sliding_window": 4096},
+                {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 32, "max_window_layers": 0}):
+        assert ModelSpec.from_hf_config({**base, **cfg}).layer_types == ()
+    q2 = ModelSpec.from_hf_config({**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32,
+                                   "max_window_layers": 1})
+    assert [q2.attention_window(i) for i in range(2)] == [None, 32]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_mistral_sw", "tiny_qwen3_mixed"])
+def test_greedy_past_the_window_matches_transformers(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    llm = LLM(str(model_dir), dtype="float32")
+    prompts = _prompts(llm.engine.spec.vocab_size, 6)
+    ref = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    assert token_ids(llm, prompts, GREEDY) == ref
+    assert type(llm.engine.model) is LlamaForCausalLM
+    assert any(layer.self_attn.attn.window == WINDOW for layer in llm.engine.model.layers)
+    chunked = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=16)
+    assert token_ids(chunked, prompts, GREEDY) == ref
+    hits = chunked.engine.block_manager.prefix_hits
+    assert token_ids(chunked, prompts, GREEDY) == ref
+    assert chunked.engine.block_manager.prefix_hits > hits
+
+
+def test_transformers_applies_the_window(tiny_mistral_sw):  # noqa: F811
+    """Guard for the reference: transformers' Mistral output changes when the window is dropped."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_mistral_sw), dtype=torch.float32)
+    x = torch.tensor([list(range(3, 63))])
+    with torch.no_grad():
+        windowed = hf(x).logits
+        hf.config.sliding_window = None
+        for layer in hf.model.layers:
+            layer.self_attn.sliding_window = None
+        full = hf(x).logits
+    assert torch.allclose(windowed[:, :WINDOW], full[:, :WINDOW], atol=1e-5)
+    assert not torch.allclose(windowed[:, WINDOW:], full[:, WINDOW:], atol=1e-3)
+
+
+def _sdpa_window(q, k, v, scale, offset, window):
+    length, h, _ = q.shape
+    rep = h // k.shape[0]
+    kk, vv = k.repeat_interleave(rep, 0).float(), v.repeat_interleave(rep, 0).float()
+    qp = torch.arange(length)[:, None] + offset
+    kp = torch.arange(k.shape[1])[None, :]
+    allowed = (kp <= qp) & (kp > qp - window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), kk, vv, attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1).reshape(length, -1)
+
+
+@pytest.mark.parametrize("offset", [0, 37])
+def test_causal_attention_honours_the_window(offset):
+    g = torch.Generator().manual_seed(offset)
+    length, h, hkv, d, window = 70, 6, 2, 16, 16
+    q = torch.randn(length, h, d, generator=g)
+    k, v = torch.randn(hkv, offset + length, d, generator=g), torch.randn(hkv, offset + length, d, generator=g)
+    ref = _sdpa_window(q, k, v, d**-0.5, offset, window)
+    assert torch.allclose(causal_attention(q, k, v, d**-0.5, offset, window), ref, atol=1e-5)
+    out = kernels.call(True, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset, window)
+    assert torch.allclose(out.float(), ref, atol=3e-2)
