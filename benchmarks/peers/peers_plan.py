@@ -493,7 +493,7 @@ def replace_doc_section(doc: str, block: str, heading: str = "## Peers") -> str:
         head, rest = doc.split(BEGIN, 1)
         return head + body + rest.split(END, 1)[1]
     lines = doc.split("\n")
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == heading), None)
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == heading or ln.startswith(heading + " ")), None)
     if start is None:
         return doc.rstrip("\n") + f"\n\n{heading}\n\n{body}\n"
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))

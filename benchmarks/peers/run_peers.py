@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -319,6 +320,8 @@ def _loads(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # servers run in their own sessions: a SIGTERM (timeout, kill) must unwind through Server.__exit__ too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     command = "python benchmarks/peers/run_peers.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.render:
         src = Path(args.render)

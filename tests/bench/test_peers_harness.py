@@ -244,8 +244,9 @@ def test_replace_doc_section_keeps_everything_else():
     assert "| table 1 |" not in twice and twice == once.replace("| table 1 |", "| table 2 |")
     appended = pp.replace_doc_section("# B\n\n## Other\n", "| t |")
     assert appended == f"# B\n\n## Other\n\n## Peers\n\n{pp.BEGIN}\n| t |\n{pp.END}\n"
-    last = pp.replace_doc_section("# B\n\n## Peers\n\ntext\n", "| t |")
-    assert last == f"# B\n\n## Peers\n\ntext\n\n{pp.BEGIN}\n| t |\n{pp.END}\n"
+    last = pp.replace_doc_section("# B\n\n## Peers (issue #17)\n\ntext\n", "| t |")
+    assert last == f"# B\n\n## Peers (issue #17)\n\ntext\n\n{pp.BEGIN}\n| t |\n{pp.END}\n"
+    assert pp.replace_doc_section("## Peersx\n", "t").startswith("## Peersx\n\n## Peers\n")
 
 
 def test_render_writes_table_png_and_doc(tmp_path, monkeypatch):
