@@ -102,8 +102,8 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(concurrencies=(2, 8), mixed_per_slot=2, mixed_min=8, single_prompts=2, prefix_prompts=16,
-              prefix_concurrency=4)
+QUICK = Sizes(concurrencies=(2, 8), mixed_per_slot=1, mixed_min=8, single_prompts=2, prefix_prompts=12,
+              prefix_concurrency=4, warmup=1)
 
 
 def _hi(length: str) -> int:

@@ -49,8 +49,8 @@ def test_full_jobs_are_the_issues_workloads_identical_for_every_server():
 def test_quick_is_two_concurrencies_and_sizes_are_overridable():
     assert [j.concurrency for j in pp.jobs(pp.QUICK) if j.workload == "mixed"] == [2, 8]
     assert [j.workload for j in pp.jobs(pp.QUICK, ["single"])] == ["single"]
-    s = run_peers.sizes_from(run_peers.parse_args(["--quick", "--concurrency", "1,4", "--rounds", "3", "--warmup", "1"]))
-    assert s.concurrencies == (1, 4) and s.rounds == 3 and s.warmup == 1 and s.single_prompts == pp.QUICK.single_prompts
+    s = run_peers.sizes_from(run_peers.parse_args(["--quick", "--concurrency", "1,4", "--rounds", "3", "--warmup", "3"]))
+    assert s.concurrencies == (1, 4) and s.rounds == 3 and s.warmup == 3 and s.single_prompts == pp.QUICK.single_prompts
     assert run_peers.sizes_from(run_peers.parse_args([])) == pp.FULL
 
 
