@@ -219,6 +219,11 @@ def test_draft_masks_stop_at_a_refused_draft_and_roll_back(llm):
     assert good[0] in allowed[0] and bad[0] not in allowed[1]
     assert all(len(a) == vocab for a in allowed[2:])  # past the refused draft: untouched, never used
     assert m.validate(good) == len(good)  # rolled back: the matcher is where it started
+    # drafts that complete the grammar and go on (an end token): the walk stops at the completion, so the
+    # rollback restores exactly what it consumed
+    eos = llm.engine.eos_token_ids[0]
+    draft_masks(m, good + [eos, eos], torch.zeros(len(good) + 3, vocab))
+    assert m.validate(good) == len(good) and not m.is_terminated
     # a refused draft is rejected, greedy or sampled; accepted drafts are the grammar's
     assert verify(torch.zeros(3, vocab), bad + bad, SamplingParams(temperature=0), None, m)[0] != bad[0]
     g = torch.Generator().manual_seed(0)

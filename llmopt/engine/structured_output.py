@@ -13,8 +13,9 @@ top-k/p), so constrained and unconstrained requests share one batch. When the gr
 (the JSON value is closed, the regex fully matched with nothing more allowed, or an end-of-sequence
 token was chosen where the grammar accepts), the request finishes with finish_reason "stop".
 
-JSON is generated compact (no whitespace between tokens: llguidance's `whitespace_flexible: false`),
-which keeps a sampling model from spending its tokens on spaces and newlines. llguidance refuses
+JSON is generated in one fixed layout, `{"a": 1, "b": [2, 3]}` (json.dumps' separators, no other
+whitespace: llguidance's `whitespace_flexible: false`), which keeps a sampling model from spending
+its tokens on spaces and newlines. llguidance refuses
 schema keywords it cannot enforce (`not`, unknown `format`s, unsatisfiable combinations) rather than
 ignoring them, so a schema it compiles is one whose every output validates.
 
@@ -36,7 +37,8 @@ import torch
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (each holds a template matcher)
 MAX_ERROR_CHARS = 300
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# one space after "," and ":" (as json.dumps writes and models usually do), none anywhere else
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -172,7 +174,7 @@ class StructuredOutputCompiler:
             return llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
         except json.JSONDecodeError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-        except ValueError as e:  # GBNF that cannot be converted, a schema that is not an object
+        except (ValueError, TypeError, RecursionError) as e:  # GBNF that cannot be converted, odd JSON
             raise GrammarError(_one_line(str(e))) from None
 
     def compile(self, spec: StructuredOutputsParams):
@@ -188,7 +190,12 @@ class StructuredOutputCompiler:
         import llguidance
 
         grammar = self._grammar_text(*key, spec)
-        template = llguidance.LLMatcher(tok, grammar, log_level=0)  # compiles; never raises, reports is_error
+        try:
+            template = llguidance.LLMatcher(tok, grammar, log_level=0)  # compiles; reports errors by is_error
+        except BaseException as e:  # llguidance's own failure (a Rust panic is a BaseException) on odd input
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise GrammarError(f"cannot compile: {_one_line(str(e))}") from None
         if template.is_error():
             raise GrammarError(_one_line(template.get_error()))
         with self._lock:
@@ -228,15 +235,16 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatch
 
 def draft_masks(grammar: GrammarMatcher, drafts: list[int], logits: torch.Tensor) -> None:
     """Speculative verification: constrain row i of `logits` ([len(drafts)+1, V]) by the grammar state
-    after drafts[:i], walking the drafts through the matcher up to the first one it refuses (rows after
-    that one are never used: the verifier rejects a refused draft, whose masked probability is 0), then
-    roll the matcher back to where it was."""
+    after drafts[:i], walking the drafts through the matcher up to the first one it refuses or the one
+    that completes it (rows after that are never used: the verifier rejects a refused draft, whose
+    masked probability is 0, and the request finishes on the completing one), then roll the matcher
+    back to where it was."""
     words = bitmask_words(logits.shape[1])
     bm = torch.zeros(len(drafts) + 1, words, dtype=torch.int32)
     consumed = 0
     for i in range(len(drafts) + 1):
         grammar.fill_bitmask(bm[i])
-        if i == len(drafts):
+        if i == len(drafts) or grammar.is_terminated:  # a finished matcher takes no more (rollback would miscount)
             break
         d = drafts[i]
         if not (0 <= d < logits.shape[1]) or not (int(bm[i, d >> 5]) >> (d & 31)) & 1:
