@@ -4,11 +4,16 @@ The server keeps a tokenizer of its own (loaded from the engine's weights direct
 handlers never touch the engine's, which belongs to the engine thread. Encoding matches the engine's
 and `LLM`'s exactly: completions use `tokenizer.encode(prompt)` (special tokens added as the tokenizer
 does), chat renders the template and encodes without adding special tokens (the template has them).
+Tools go through the template when it renders them, else through llmopt.serve.tools' generic rendering.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from llmopt.serve.errors import ApiError
+from llmopt.serve.tools import generic_messages, template_supports_tools
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -25,6 +30,7 @@ class PromptBuilder:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._piece_cache: dict[int, str] = {}
+        self.native_tools = template_supports_tools(tokenizer)  # the chat template renders `tools` itself
 
     def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -51,16 +57,27 @@ class PromptBuilder:
             raise ApiError(400, f"{param}: token ids must be in [0, {self.vocab_size})", param=param)
         return self.tokenizer.decode(ids)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools`: OpenAI tool objects to offer the model (None: none)."""
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
+            if m.get("tool_calls"):
+                _check_unicode(json.dumps(m["tool_calls"], ensure_ascii=False), f"messages.{i}.tool_calls")
+        if tools:
+            _check_unicode(json.dumps(tools, ensure_ascii=False), "tools")
+        extra: dict[str, Any] = {}
+        if not self.native_tools and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
+            messages = generic_messages(messages, tools)
+        elif tools:
+            extra["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **extra)
         except Exception as e:  # jinja errors for conversations the template refuses
             raise ApiError(400, f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
                            param="messages") from None
+        _check_unicode(text, "messages")  # names and ids: whatever else went into the prompt
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise ApiError(400, "the conversation renders to an empty prompt", param="messages")

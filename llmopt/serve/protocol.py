@@ -2,10 +2,14 @@
 
 Strict where OpenAI is strict: unknown fields are rejected (400 "unrecognized request argument"), types
 and ranges are checked, NaN/inf are refused. Harmless fields clients commonly send (`user`, `metadata`,
-`store`, `service_tier`, `parallel_tool_calls`, `tool_choice: "none"`, `response_format: text`) are accepted
-and ignored; fields whose meaning we cannot honour (tools, images, suffix) are refused with a 400 that
-names them, rather than silently ignored. Completions honour `echo` (with prompt logprobs, and
-`max_tokens: 0` to score the prompt only), `logit_bias` and `best_of`. vLLM extensions: `top_k`, `min_p`,
+`store`, `service_tier`, vLLM's old `guided_decoding_backend`) are accepted and ignored; fields whose
+meaning we cannot honour (images, suffix) are refused with a 400 that names them, rather than silently
+ignored. Completions honour `echo` (with prompt logprobs, and `max_tokens: 0` to score the prompt only),
+`logit_bias` and `best_of`. Structured outputs: OpenAI's `response_format` (`json_schema`, `json_object`,
+`text`; on completions too, as vLLM), vLLM's `structured_outputs` {json|regex|choice|grammar|json_object}
+and its older `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar`, at most one of them per
+request. Chat takes `tools`, `tool_choice` (auto, none, required, a named function), `parallel_tool_calls`,
+assistant messages with `tool_calls` and `role: tool` messages. vLLM extensions: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `prompt_logprobs`; ours: `priority` (higher value = more important). /tokenize
 and /detokenize take vLLM's bodies.
@@ -13,6 +17,7 @@ and /detokenize take vLLM's bodies.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,6 +28,9 @@ MAX_PROMPTS = 32
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_LOGPROBS = 20
 PRIORITY_RANGE = 1000
+MAX_CHOICES = 1024  # guided_choice / structured_outputs.choice entries
+MAX_TOOLS = 128
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and response-format names
 
 # OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias in [-100, 100]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -36,6 +44,53 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(..., pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(..., alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+Choice = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = _STRICT
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: Choice | None = None
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
 
 
 class _Sampling(BaseModel):
@@ -70,6 +125,14 @@ class _Sampling(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per prompt token, top-n (not streamed)
     # extension (ours): priority class, higher = scheduled first
     priority: int | None = Field(None, ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
+    # structured outputs: OpenAI's, vLLM's and vLLM's older fields (at most one per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: Choice | None = None
+    guided_grammar: str | None = Field(None, min_length=1)
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the only backend
 
     @field_validator("stop")
     @classmethod
@@ -166,12 +229,37 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool messages need tool_call_id, and only they have it")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -181,15 +269,59 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages for the chat template: text content; `developer` is OpenAI's new name for `system`."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template: text content; `developer` is OpenAI's new name for `system`.
+    Assistant tool calls and tool results keep transformers' shape (`tool_calls` with `function.arguments`
+    parsed when it is JSON, `tool_call_id`); llmopt.serve.tools renders them for templates without tools."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            d["name"] = m.name
+        out.append(d)
+    return out
 
 
-class ResponseFormat(BaseModel):
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
     model_config = _STRICT
 
-    type: Literal["text"]
+    name: str = Field(..., pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # accepted: arguments are always constrained by the schema when forced
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -198,16 +330,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _check(self):
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         for i, m in enumerate(self.messages):
@@ -218,8 +347,31 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def tool_problem(self) -> tuple[str, str] | None:
+        """(message, param) of what is wrong with tools and tool_choice together, or None."""
+        names = [t.function.name for t in self.tools or []]
+        dup = next((i for i, n in enumerate(names) if n in names[:i]), None)
+        if dup is not None:
+            return f"function names must be unique ({names[dup]!r} is given twice)", f"tools.{dup}.function.name"
+        tc = self.tool_choice
+        if isinstance(tc, NamedToolChoice) and tc.function.name not in names:
+            return (f"tool_choice names the function {tc.function.name!r}, which is not in tools",
+                    "tool_choice.function.name")
+        if tc == "required" and not names:
+            return "tool_choice 'required' needs tools", "tool_choice"
+        return None
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools offered or tool_choice none), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 class TokenizeRequest(BaseModel):
@@ -243,7 +395,7 @@ class TokenizeRequest(BaseModel):
                 raise ValueError(f"messages.{i}.content must not be null for role {m.role!r}")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages or [])
 
 

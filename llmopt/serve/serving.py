@@ -12,6 +12,12 @@ the engine's prefill, the first one null); `max_tokens: 0` with echo asks the en
 returns none of it (the prompt is scored by the same forward pass that samples that token). `best_of`
 generates best_of completions per prompt and returns the n with the highest cumulative logprob.
 /tokenize and /detokenize answer from the server's own tokenizer, without the engine.
+
+Structured outputs (llmopt.serve.structured) are compiled before the request is admitted, so a bad
+constraint is a 400 even when streaming. Chat with tools (llmopt.serve.tools) offers them through the
+prompt; `tool_choice` required or a named function adds a grammar that only admits calls; every
+choice's text goes through one `ToolCallParser`, whole or streamed, into `tool_calls` (finish_reason
+"tool_calls" when the model stopped after calling) and the remaining content.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llmopt.engine.sampling_params import SamplingParams
+from llmopt.engine.structured_output import StructuredOutputsParams
 from llmopt.serve.admission import Ticket
 from llmopt.serve.engine_loop import EventSink, StreamEvent
 from llmopt.serve.errors import ApiError, error_body
@@ -51,6 +58,8 @@ from llmopt.serve.responses import (
 )
 from llmopt.serve.semantic_cache import CachedAnswer, Probe, bypass_reason, scope_of
 from llmopt.serve.state import ServerState
+from llmopt.serve.structured import compile_constraint, requested_constraint
+from llmopt.serve.tools import ToolCallParser, parse_tool_calls, tool_dicts, tool_grammar
 
 
 class Job:
@@ -189,7 +198,8 @@ class OpenAIServing:
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, requested: int | None,
                 logprobs: int | None, *, n: int | None = None, prompt_logprobs: int | None = None,
-                logit_bias: dict[int, float] | None = None) -> SamplingParams:
+                logit_bias: dict[int, float] | None = None,
+                structured: StructuredOutputsParams | None = None) -> SamplingParams:
         room = self.state.prompts.max_model_len - prompt_len if self.state.prompts else 1
         max_tokens = room if requested is None else min(requested, room)
         if req.min_tokens > max_tokens:
@@ -204,12 +214,52 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                 stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens, structured_outputs=structured)
         except ValidationError as e:
             first = e.errors()[0]
             loc = ".".join(str(p) for p in first.get("loc", ()))
             msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
             raise ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None) from None
+
+    # ---- structured outputs and tools -----------------------------------------------------------
+    async def _constraint(self, req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, compiled (400 naming the field when it cannot be)."""
+        found = requested_constraint(req)
+        if found is None:
+            return None
+        spec, param = found
+        await compile_constraint(self.state.engine_loop.engine.structured_outputs, spec, param)
+        return spec
+
+    async def _tool_constraint(self, req: ChatCompletionRequest,
+                               spec: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """Check tools and every tool's parameter schema; for tool_choice required or named, the grammar of a
+        call."""
+        problem = req.tool_problem()
+        if problem is not None:
+            raise ApiError(400, problem[0], param=problem[1])
+        mode = req.tool_mode
+        if mode is None:
+            return spec
+        compiler = self.state.engine_loop.engine.structured_outputs
+        for i, t in enumerate(req.tools or []):
+            if t.function.parameters:
+                await compile_constraint(compiler, StructuredOutputsParams(json=t.function.parameters),
+                                         f"tools.{i}.function.parameters")
+        if mode == "auto":
+            return spec
+        if spec is not None:
+            raise ApiError(400, f"tool_choice {mode!r} cannot be combined with a structured output constraint",
+                           param="tool_choice")
+        name = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        grammar = StructuredOutputsParams(grammar=tool_grammar(req.tools or [], name, self._parallel(req)))
+        await compile_constraint(compiler, grammar, "tools")
+        return grammar
+
+    @staticmethod
+    def _parallel(req: ChatCompletionRequest) -> bool:
+        """Several calls per turn: OpenAI's default, never for a named function."""
+        return req.tool_mode != "named" and req.parallel_tool_calls is not False
 
     # ---- endpoints ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, key: str | None, http: Request) -> Response:
@@ -236,12 +286,14 @@ class OpenAIServing:
             self._check_length(prompts, ids, param)
             ids_list.append(ids)
         bias = self._logit_bias(req, prompts)
+        structured = await self._constraint(req)
         gen_n = req.num_generated
         # best_of ranks completions by their tokens' logprobs; echo with logprobs needs the prompt's
         logprobs = 0 if req.logprobs is None and gen_n > req.n else req.logprobs
         wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
         params = [self._params(req, len(ids), 1 if req.echo_only else req.max_tokens, logprobs, n=gen_n,
-                               prompt_logprobs=max(wanted) if wanted else None, logit_bias=bias)
+                               prompt_logprobs=max(wanted) if wanted else None, logit_bias=bias,
+                               structured=structured)
                   for ids in ids_list]
         echo = [self._echo_text(prompts, p, ids) for p, ids in zip(items, ids_list, strict=True)] if req.echo else []
         job = self._start("cmpl", ids_list, params, gen_n, priority, arrival, count_output=not req.echo_only)
@@ -256,17 +308,19 @@ class OpenAIServing:
         priority = self._priority(key, req.priority)
         messages = req.template_messages()
         probe = await self._probe("chat", req, key, [m["content"] for m in messages], req.temperature,
-                                  req.logprobs or req.prompt_logprobs is not None,
+                                  req.logprobs or req.prompt_logprobs is not None or req.tool_mode is not None,
                                   key_text=json.dumps(messages, ensure_ascii=False))
         if probe is not None and probe.hit is not None:
             return self._cached_chat(req, probe)
         self.state.admission.check_capacity(priority)
+        tools = tool_dicts(req.tools) if req.tools and req.tool_mode is not None else None
         ids = await _off_loop(sum(len(m["content"]) for m in messages), prompts.encode_chat, messages,
-                              req.add_generation_prompt)
+                              req.add_generation_prompt, False, tools)
         self._check_length(prompts, ids, "messages")
+        structured = await self._tool_constraint(req, await self._constraint(req))
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = [self._params(req, len(ids), req.requested_max_tokens(), top, prompt_logprobs=req.prompt_logprobs,
-                               logit_bias=self._logit_bias(req, prompts))]
+                               logit_bias=self._logit_bias(req, prompts), structured=structured)]
         job = self._start("chatcmpl", [ids], params, req.n, priority, arrival)
         return await self._respond(job, req.stream, probe, http, lambda: self._stream_chat(job, req, probe),
                                    lambda: self._chat_body(job, req))
@@ -414,8 +468,17 @@ class OpenAIServing:
         choices = []
         for i, c in sorted(job.choices.items()):
             lps = chat_logprobs(prompts, c.logprobs, req.top_logprobs or 0) if req.logprobs and prompts else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lps,
-                            "finish_reason": c.finish_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if req.tool_mode is not None:
+                parsed = parse_tool_calls(c.text)
+                calls = parsed.tool_calls if self._parallel(req) else parsed.tool_calls[:1]
+                message["content"] = parsed.content if calls else parsed.content or ""
+                if calls:
+                    message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                              "function": {"name": name, "arguments": args}} for name, args in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": finish})
         body = {"id": job.id, "object": "chat.completion", "created": now_s(), "model": self._model(),
                 "choices": choices, "usage": job.usage.to_json()}
         if req.prompt_logprobs is not None and prompts:  # vLLM: one list for the request, at the top level
@@ -482,6 +545,8 @@ class OpenAIServing:
                 obj["usage"] = job.usage.to_json() if req.continuous_usage else None
             return sse(obj)
 
+        parsers = {idx: ToolCallParser() for idx in job.choices} if req.tool_mode is not None else None
+        call_ids: dict[tuple[int, int], str] = {}
         try:
             for idx in sorted(job.choices):
                 yield chunk(idx, {"role": "assistant", "content": ""}, None)
@@ -497,6 +562,14 @@ class OpenAIServing:
                     if req.logprobs and d.logprobs is not None and prompts:
                         lps = chat_logprobs(prompts, list(zip(d.token_ids, d.logprobs, strict=False)),
                                             req.top_logprobs or 0)
+                    if parsers is not None:
+                        for delta, finish in self._tool_deltas(req, parsers[idx], call_ids, idx, d.text,
+                                                               d.finish_reason):
+                            yield chunk(idx, delta, finish, lps)
+                            lps = None
+                        if lps is not None:
+                            yield chunk(idx, {}, None, lps)
+                        continue
                     if d.text or d.token_ids:
                         yield chunk(idx, {"content": d.text}, d.finish_reason, lps)
                     elif d.finish_reason is not None:
@@ -509,6 +582,27 @@ class OpenAIServing:
             yield sse("[DONE]")
         finally:
             job.close()
+
+    def _tool_deltas(self, req: ChatCompletionRequest, parser: ToolCallParser, call_ids: dict[tuple[int, int], str],
+                     idx: int, text: str, finish_reason: str | None) -> list[tuple[dict[str, Any], str | None]]:
+        """One choice's new text as OpenAI chat deltas: content, a call's first delta (id, type, name) and its
+        argument chunks; the finish reason (tool_calls when it stopped after calling) on a last empty delta."""
+        out: list[tuple[dict[str, Any], str | None]] = []
+        parallel = self._parallel(req)
+        for item in parser.feed(text, final=finish_reason is not None):
+            if isinstance(item, str):
+                out.append(({"content": item}, None))
+            elif item.index > 0 and not parallel:
+                continue
+            elif item.name is not None:
+                call_ids[(idx, item.index)] = cid = _call_id()
+                out.append(({"tool_calls": [{"index": item.index, "id": cid, "type": "function",
+                                             "function": {"name": item.name, "arguments": ""}}]}, None))
+            else:
+                out.append(({"tool_calls": [{"index": item.index, "function": {"arguments": item.arguments}}]}, None))
+        if finish_reason is not None:
+            out.append(({}, "tool_calls" if parser.num_calls and finish_reason == "stop" else finish_reason))
+        return out
 
     # ---- tokenizer endpoints (vLLM's) -----------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> Response:
@@ -531,3 +625,7 @@ class OpenAIServing:
         self._check_model(req.model)
         text = await _off_loop(len(req.tokens) * 4, prompts.decode, req.tokens)
         return JSONResponse({"prompt": text})
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -75,7 +75,7 @@ def serve(model_dir: Path | None, engine_kw: dict | None = None, wait_ready: boo
         sock.close()
 
 
-def wait_healthy(srv: RunningServer, timeout: float = 60.0) -> None:
+def wait_healthy(srv: RunningServer, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
