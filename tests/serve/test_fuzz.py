@@ -42,3 +42,52 @@ def test_no_server_errors(tiny_llama):
                 check()
         assert any(code == 200 for code in seen) and any(400 <= code < 500 for code in seen)
         print("fuzz status codes:", dict(sorted(seen.items())))
+
+
+def test_structured_output_and_tool_fields_never_5xx(tiny_llama):
+    """Random schemas, regexes, grammars, choices and tool definitions: a 200 or a one-line 400, never a 5xx."""
+    import httpx
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-10, 10) | st.text(max_size=6),
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+            st.sampled_from(["type", "properties", "items", "enum", "const", "minimum", "maximum", "maxLength",
+                             "pattern", "required", "anyOf", "$ref", "minItems", "format", "x"]), kids, max_size=4),
+        max_leaves=12)
+    schemas = st.dictionaries(st.sampled_from(["type", "properties", "items", "enum", "required", "anyOf", "$ref"]),
+                              json_values, max_size=4)
+    fields = st.one_of(
+        st.builds(lambda s: {"guided_json": s}, schemas),
+        st.builds(lambda s: {"structured_outputs": {"json": s}}, schemas),
+        st.builds(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": s}}},
+                  schemas),
+        st.builds(lambda r: {"guided_regex": r}, st.text(max_size=12)),
+        st.builds(lambda g: {"guided_grammar": g}, st.text(max_size=24) | st.just("start: x")),
+        st.builds(lambda c: {"guided_choice": c}, st.lists(st.text(max_size=4), max_size=3)),
+        st.builds(lambda p, c: {"tools": [{"type": "function", "function": {"name": "f", "parameters": p}}],
+                                "tool_choice": c}, schemas, st.sampled_from(["auto", "required", "none", "x"])),
+    )
+    with serve(tiny_llama, engine_kw={"max_model_len": 1024}, request_timeout_s=5) as srv:
+        seen: dict[int, int] = {}
+
+        @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(extra=fields, chat=st.booleans(), stream=st.booleans())
+        def check(extra, chat, stream) -> None:
+            body = {"max_tokens": 4, "stream": stream, **extra}
+            if chat:
+                body["messages"] = [{"role": "user", "content": "hi"}]
+            else:
+                if "tools" in extra:
+                    return
+                body["prompt"] = "hi"
+            r = httpx.post(srv.v1 + ("/chat/completions" if chat else "/completions"), json=body, timeout=60)
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body, r.text[:300])
+            if r.status_code >= 400:
+                err = r.json()["error"]
+                assert "\n" not in err["message"], err
+
+        check()
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        assert seen.get(200) and seen.get(400), seen
