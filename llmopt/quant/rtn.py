@@ -30,8 +30,14 @@ def params_from_range(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and integer zero (both float32, any shape) for values in [xmin, xmax].
 
-    Symmetric: scale = absmax / (maxq / 2) and zero = 2^(bits-1) (the GPTQ / compressed-tensors
-    convention: the code range [-8, 7]·scale covers ±absmax up to half a step).
+    Symmetric (zero = 2^(bits-1), signed codes [-2^(bits-1), 2^(bits-1) - 1], e.g. [-8, 7]):
+    scale = max(-min / 2^(bits-1), max / (2^(bits-1) - 1)), the smallest step whose code range holds
+    [min, max] whole — a negative extreme lands exactly on -8, a positive one on 7, nothing is clipped.
+    (compressed-tensors / llm-compressor use absmax / 7.5 instead, which always clips a group's
+    largest-magnitude weight by half a step: a positive one to 7·s = 0.933·absmax, a negative one
+    onto the -7.5 rounding tie, i.e. -8 or -7 depending on how the scale rounds; the systematic
+    shrinking of the salient weights costs perplexity, see docs/QUANTIZE.md "Against
+    llm-compressor".) Readers only see (q - zero)·scale, so the choice changes no format.
     Asymmetric: the range is widened to include 0, scale = (max - min) / maxq and
     zero = round(-min / scale), kept in [1, maxq] (see qtensor: GPTQ v1 stores zero - 1).
     An all-zero range gets scale 1 so that it dequantizes to exact zeros.
@@ -40,8 +46,9 @@ def params_from_range(
     xmin = torch.minimum(xmin.float(), torch.zeros_like(xmin, dtype=torch.float32))
     xmax = torch.maximum(xmax.float(), torch.zeros_like(xmax, dtype=torch.float32))
     if scheme.symmetric:
-        absmax = torch.maximum(-xmin, xmax)
-        scale = torch.where(absmax > 0, absmax / (maxq / 2), torch.ones_like(absmax))
+        half = scheme.sym_zero
+        scale = torch.maximum(-xmin / half, xmax / (half - 1))
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         scale = _round_scale(scale, scheme)
         return scale, torch.full_like(scale, scheme.sym_zero)
     span = xmax - xmin

@@ -42,9 +42,11 @@ def reference(tiny_llama):
     return dict(iter_logits(llm.engine, _heldout(tiny_llama)))
 
 
-# GPTQ's logit error on held-out kb text measured at 0.40-0.50x RTN's over six calibration seeds,
-# AWQ's at 0.70-0.95x
-@pytest.mark.parametrize(("method", "ratio"), [("gptq", 0.7), ("awq", 1.0)])
+# GPTQ's logit error on held-out kb text measured at 0.51-0.74x RTN's over six calibration seeds,
+# AWQ's at 0.75-1.16x (seed 0: 0.74 and 0.94). Before RTN's full-range symmetric grid (rtn.py) these
+# were 0.40-0.50x and 0.70-0.95x: the grid cut RTN's own error by 27% on this model (0.0278 -> 0.0203)
+# while GPTQ's seed-0 error went from 0.0133 to 0.0150 and AWQ's from 0.0241 to 0.0190.
+@pytest.mark.parametrize(("method", "ratio"), [("gptq", 0.8), ("awq", 1.0)])
 def test_calibrated_methods_beat_rtn(tiny_llama, tmp_path, monkeypatch, reference, method, ratio):
     common = {"scheme": "w4a16", "group_size": 32, **calib_options(num_samples=12, seq_len=64)}
     rtn, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "rtn", **common)
