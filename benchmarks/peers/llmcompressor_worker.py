@@ -27,8 +27,6 @@ def _scheme(job: dict) -> dict:
     opts = job.get("options", {})
     args = {"num_bits": 4, "type": "int", "symmetric": job["symmetric"], "strategy": "group",
             "group_size": job["group_size"], "dynamic": False}
-    if job["method"] == "gptq" and opts.get("actorder", "static") is not None:
-        args["actorder"] = opts.get("actorder", "static")
     if opts.get("observer"):
         args["observer"] = opts["observer"]
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))}
@@ -44,7 +42,8 @@ def _recipe(job: dict):
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     if job["method"] == "gptq":
         return [GPTQModifier(config_groups=groups, ignore=ignore, block_size=opts.get("block_size", 128),
-                             dampening_frac=opts.get("dampening_frac", 0.01))]
+                             dampening_frac=opts.get("dampening_frac", 0.01),
+                             actorder=opts.get("actorder", "static"))]
     if job["method"] == "awq":
         from llmcompressor.modifiers.awq import AWQModifier
 

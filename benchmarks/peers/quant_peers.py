@@ -58,6 +58,13 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llm-compressor AWQ": ("llmcompressor", "awq", {}),
     "llmopt AWQ": ("llmopt", "awq", {}),
 }
+# more rows, run only when --only names them
+EXTRA: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llm-compressor RTN (mse observer)": ("llmcompressor", "rtn", {"observer": "mse"}),
+    "llm-compressor GPTQ (no actorder)": ("llmcompressor", "gptq", {"actorder": None}),
+    "llmopt GPTQ": ("llmopt", "gptq", {}),
+    "llmopt GPTQ act-order mse": ("llmopt", "gptq", {"act_order": True, "mse": True}),
+}
 
 
 def log(msg: str) -> None:
@@ -76,15 +83,15 @@ def eval_windows(tokenizer, path: Path, tokens: int, seq_len: int) -> list[list[
     return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
 
 
-def calibration(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
-    """`llmopt calibrate` once; returns (calib dir, windows.json with the same token ids)."""
+def calibration(work: Path, args: argparse.Namespace, num_samples: int) -> tuple[Path, Path]:
+    """`llmopt calibrate` once per size; returns (calib dir, windows.json with the same token ids)."""
     from llmopt.calibrate import CalibrateConfig, SavedStats, run_calibration
 
-    calib = work / "calib"
-    windows = work / "windows.json"
+    calib = work / f"calib-{num_samples}x{args.calib_seq_len}"
+    windows = calib.with_suffix(".windows.json")
     if not (calib / "stats.safetensors").is_file():
-        log(f"drawing {args.num_samples} x {args.calib_seq_len} calibration windows")
-        run_calibration(CalibrateConfig(model=MODEL, data=args.calib, num_samples=args.num_samples,
+        log(f"drawing {num_samples} x {args.calib_seq_len} calibration windows")
+        run_calibration(CalibrateConfig(model=MODEL, data=args.calib, num_samples=num_samples,
                                         seq_len=args.calib_seq_len, seed=args.seed, output=calib,
                                         overwrite=True, device="cpu"))
     w = SavedStats.load(calib / "stats.safetensors").windows
@@ -212,17 +219,23 @@ def render(results: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None,
-                    help="substrings of variant labels (e.g. rtn gptq awq, or 'llmopt RTN'); fp32 always runs")
+                    help="variants: whole labels select exactly those, otherwise substrings (e.g. rtn gptq awq) of "
+                         "the default rows and the extra ones; fp32 always runs")
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=32768, help="scored tokens per domain")
+    ap.add_argument("--tokens", type=int, default=16384,
+                    help="scored tokens per domain (fp32 scoring runs ~5-10 s per 512-token window on 2 busy cores)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--calib", nargs="+", default=CALIB, help="calibration sources (PATH or PATH:weight)")
-    ap.add_argument("--num-samples", type=int, default=128)
+    ap.add_argument("--num-samples", type=int, default=128, help="calibration windows for GPTQ")
+    ap.add_argument("--awq-num-samples", type=int, default=64,
+                    help="calibration windows for AWQ (llm-compressor's AWQ reruns whole attention/MLP blocks on every "
+                         "window for each of its 20 grid points: 128 x 512 takes hours on 2 CPU cores)")
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/llmopt-quant-peers"))
-    ap.add_argument("--reuse", action="store_true", help="keep checkpoints already in --work-dir (do not requantize)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep checkpoints (and their scores on the same windows) already in --work-dir")
     ap.add_argument("--llmcompressor-venv", default=".peers/llmcompressor")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--md", type=Path, default=None, help="write the table, versions and command as markdown")
@@ -230,8 +243,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    plan = {k: v for k, v in VARIANTS.items()
-            if args.only is None or any(o.lower() in k.lower() for o in args.only)}
+    everything = {**VARIANTS, **EXTRA}
+    exact = args.only is not None and all(o in everything for o in args.only)  # whole labels: exactly those
+    plan = VARIANTS if args.only is None else {
+        k: v for k, v in everything.items()
+        if (k in args.only if exact else any(o.lower() in k.lower() for o in args.only))}
 
     from transformers import AutoTokenizer
 
@@ -243,32 +259,42 @@ def main() -> None:
         "command": "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0])), *sys.argv[1:]]),
         "versions": {"llmopt": llmopt.__version__, "torch": torch.__version__}, "domains": {
             k: {"windows": len(v), "tokens": sum(map(len, v))} for k, v in windows.items()},
-        "calibration": {"sources": args.calib, "num_samples": args.num_samples, "seq_len": args.calib_seq_len,
-                        "seed": args.seed},
+        "calibration": {"sources": args.calib, "num_samples": {"gptq": args.num_samples, "awq": args.awq_num_samples},
+                        "seq_len": args.calib_seq_len, "seed": args.seed},
         "group_size": args.group_size, "rows": {}}
-    needs_data = any(m != "rtn" for _, m, _ in plan.values())
-    calib, calib_windows = calibration(work, args) if needs_data else (None, None)
+    calibs = {m: calibration(work, args, args.awq_num_samples if m == "awq" else args.num_samples)
+              for m in {m for _, m, _ in plan.values() if m != "rtn"}}
     scorer = Scorer(windows)
-    log("scoring fp32")
-    results["rows"]["fp32"] = {"ppl": scorer.score(None)}
+    key = f"{args.tokens}x{args.seq_len}"  # scores are reused (--reuse) only for the same scored windows
+    fp32_cache = work / f"fp32.{key}.json"
+    if args.reuse and fp32_cache.is_file():
+        results["rows"]["fp32"] = json.loads(fp32_cache.read_text())
+    else:
+        log("scoring fp32")
+        results["rows"]["fp32"] = {"ppl": scorer.score(None)}
+        fp32_cache.write_text(json.dumps(results["rows"]["fp32"]))
     for label, (tool, method, opts) in plan.items():
         out = work / label.replace(" ", "_").replace("(", "").replace(")", "")
         row: dict[str, Any] = {"tool": tool, "method": method, "options": opts}
         prev = json.loads(out.with_suffix(".row.json").read_text()) if out.with_suffix(".row.json").is_file() else {}
         if args.reuse and (out / "config.json").is_file() and "wall_s" in prev:
-            row.update({k: prev[k] for k in ("wall_s", "versions") if k in prev})
+            row.update({k: prev[k] for k in ("wall_s", "versions", "scores") if k in prev})
         else:
             log(f"quantizing: {label}")
             if tool == "llmopt":
-                row.update(run_llmopt(method, opts, out, calib, args))
+                row.update(run_llmopt(method, opts, out, calibs.get(method, (None,))[0], args))
             else:
-                res = run_llmcompressor(method, opts, out, calib_windows, args)
+                res = run_llmcompressor(method, opts, out, calibs.get(method, (None, None))[1], args)
                 row.update({"wall_s": res["wall_s"], "versions": res["versions"]})
             out.with_suffix(".row.json").write_text(json.dumps(row))
         if "versions" in row:
             results["versions"].update({f"{k} (peer venv)": v for k, v in row["versions"].items()})
         row["size_mb"] = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
-        row["ppl"] = scorer.score(out)
+        scores = row.setdefault("scores", {})
+        if key not in scores:
+            scores[key] = scorer.score(out)
+            out.with_suffix(".row.json").write_text(json.dumps(row))
+        row["ppl"] = scores[key]
         log(f"{label}: " + ", ".join(f"{d} {p:.3f}" for d, p in row["ppl"].items()))
         results["rows"][label] = row
         if args.json:
@@ -281,7 +307,8 @@ def main() -> None:
         dom = ", ".join(f"{k} {v['tokens']} tokens" for k, v in results["domains"].items())
         ver = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
         args.md.write_text(f"{table}\n\nCommand: `{results['command']}`\n\nScored: {dom} (windows of {args.seq_len}); "
-                           f"calibration: {args.num_samples} x {args.calib_seq_len} from {', '.join(args.calib)} "
+                           f"calibration: GPTQ {args.num_samples}, AWQ {args.awq_num_samples} windows of "
+                           f"{args.calib_seq_len} from {', '.join(args.calib)} "
                            f"(seed {args.seed}); versions: {ver}.\n")
 
 
