@@ -441,8 +441,10 @@ def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], si
         dec = single.get("decode_tps") if single else None
         lim = limits.get(s)
         share = lim.share(dec.median) if lim and dec else None
-        flags = "".join(" ⚠short" for c in (mixed, single, prefix) if c and c.short)
-        flags += "".join(f" ⚠{c.failed} failed" for c in (mixed, single, prefix) if c and c.failed)
+        mine = [c for k, c in cells.items() if k[0] == s]
+        flags = " ⚠short" if any(c.short for c in mine) else ""
+        if failed := sum(c.failed for c in mine):
+            flags += f" ⚠{failed} failed"
         lines.append(f"| {s}{flags} | {labels.get(s, '')} | "
                      f"{_fmt(mixed.get('output_throughput')) + f' (c{p[1]})' if mixed else '—'} | "
                      f"{_fmt(mixed.get('ttft_p99_ms'), 0) if mixed else '—'} | {_fmt(dec)} | "

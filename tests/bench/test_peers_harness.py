@@ -262,7 +262,7 @@ def test_render_writes_table_png_and_doc(tmp_path, monkeypatch):
     monkeypatch.setattr(run_peers, "DOC", doc)
     md = run_peers.render(result, tmp_path, "python benchmarks/peers/run_peers.py --quick", ["loaded machine"], True)
     assert (tmp_path / "results.md").read_text() == md and (tmp_path / "peers.png").stat().st_size > 1000
-    assert "105.0 ±5% (c2)" in md and "vllm-bf16 did not run: x" in md and "load average 3.0–4.5" in md
+    assert "| llmopt-bf16 | bf16 | 105.0 ±5% (c2)" in md and "vllm-bf16 did not run: x" in md and "load average 3.0–4.5" in md
     assert "`python benchmarks/peers/run_peers.py --quick`" in md and "* loaded machine" in md
     assert "40.0 GB/s on 257 MiB" in md and "| llmopt-bf16 | 269.0 | 3.69 | 40.0 | 147 |" in md
     assert doc.read_text().startswith("# Benchmarks\n\n## Peers\n\nprose\n\n" + pp.BEGIN)
@@ -278,6 +278,26 @@ def test_ignore_eos_is_forced_for_every_server(monkeypatch):
     monkeypatch.setattr(BenchOptions, "_http", peers_bench.patched_http(BenchOptions._http))
     assert BenchOptions(url="http://x")._http().send_ignore_eos is True
     assert BenchOptions(url="http://x", ignore_eos=False)._http().send_ignore_eos is False
+
+
+def test_a_request_on_a_connection_the_server_closed_is_resent_once():
+    import asyncio
+
+    from llmopt.bench.records import RequestRecord
+
+    calls = []
+
+    async def send(self, req):
+        calls.append(req)
+        if len(calls) == 1 or req == "always":
+            return RequestRecord.failure(start=0.0, end=0.0, error_code="protocol_error",
+                                         error="Server disconnected without sending a response.")
+        return "ok"
+
+    wrapped = peers_bench.retrying_send(send)
+    assert asyncio.run(wrapped(None, "r")) == "ok" and len(calls) == 2
+    calls.clear()
+    assert not asyncio.run(wrapped(None, "always")).success and len(calls) == 2  # once, not forever
 
 
 def test_harness_jobs_through_llmopt_bench_to_rows(fake_server, tiny_llama, tmp_path, monkeypatch, capsys):
@@ -319,3 +339,11 @@ def test_server_class_drives_llmopt_serve(tiny_llama, tmp_path):
     assert proc.poll() is not None  # stopped on exit
     (row,) = pp.load_rows(tmp_path / "r.json", "llmopt-tiny", "single", 1)
     assert row.completed == 2 and row.output_tokens == 6 and row.owned_by == "llmopt"
+
+
+def test_failures_anywhere_are_flagged_on_the_servers_row():
+    rows = _rows("llamacpp-q4_0", "mixed", 8, [(60, 1, 1, 1)])
+    rep = _report(40, 1, 1, 1, conc=2, failed=2)
+    rows += pp.rows_from_report(rep, "llamacpp-q4_0", "mixed", 1)
+    md = pp.markdown(pp.aggregate(rows), ["llamacpp-q4_0"], pp.with_sizes(pp.FULL, concurrencies=(2, 8)))
+    assert "| llamacpp-q4_0 ⚠2 failed | " in md and "60.0 (c8)" in md  # the peak level itself had none
