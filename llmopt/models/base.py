@@ -32,6 +32,9 @@ class CausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
     # our per-layer linears that quantization may swap (module paths inside a decoder layer)
     quantizable_linears: ClassVar[tuple[str, ...]] = ()
+    # linears (regexes over module paths inside a decoder layer) that quantization keeps in float:
+    # MoE routers, whose few weights decide which experts run
+    float_linears: ClassVar[tuple[str, ...]] = ()
 
     spec: ModelSpec
     embed_tokens: nn.Embedding
