@@ -146,7 +146,7 @@ def write_tiny_moe(
     top_k: int = 2,
     expert_intermediate_size: int = 32,
     intermediate_size: int = 96,
-    shared_expert_intermediate_size: int = 48,
+    shared_expert_intermediate_size: int = 64,
     norm_topk_prob: bool = True,
     decoder_sparse_step: int = 1,
     mlp_only_layers: list[int] | None = None,

@@ -120,7 +120,7 @@ def test_spec_reads_the_moe_layout(tiny_qwen3_moe, tiny_mixtral, tiny_qwen2_moe)
     assert (mx.num_experts, mx.moe_intermediate_size, mx.moe_layers, mx.norm_topk_prob) == (8, 32, (0, 1), True)
     q2 = resolve_model(str(tiny_qwen2_moe)).spec
     assert (q2.moe_layers, q2.shared_expert_intermediate_size, q2.attention_bias, q2.norm_topk_prob) == (
-        (1, 3), 48, True, False)
+        (1, 3), 64, True, False)
     model = LLM(str(tiny_qwen2_moe), dtype="float32", num_kv_blocks=8).engine.model
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, False, True]
     assert q2.active_params() < q2.num_params()
