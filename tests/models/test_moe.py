@@ -88,13 +88,27 @@ def test_grouped_experts_equal_the_per_token_definition_with_idle_experts(tokens
         p.data.normal_(0, 0.3)
     x = torch.randn(tokens, 32)
     with torch.no_grad():
-        got = block(x)
-        torch.testing.assert_close(got, _naive_moe(block, x), atol=1e-5, rtol=1e-5)
+        ref = _naive_moe(block, x)
+        got = block(x)  # the grouped_mm path over the packed expert weights
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        if hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm"):
+            gate_up, down = block._stacked
+            assert block.experts[5].down_proj.weight.data_ptr() == down[5].data_ptr()  # views, not copies
         if tokens <= 2:  # at most 4 of 8 experts can be chosen: several get no tokens
-            assert block.last_counts is not None and block.last_counts.count(0) >= 4
+            assert [int(c) for c in block.last_counts].count(0) >= 4
+        # the per-expert loop (quantized experts, hooks) gives the same output
+        calls = []
+        hook = block.experts[0].gate_up_proj.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+        torch.testing.assert_close(block(x), ref, atol=1e-5, rtol=1e-5)
+        assert calls == ([] if int(block.last_counts[0]) == 0 else [int(block.last_counts[0])])
+        hook.remove()
         # calibration mode: every expert sees every token, the output is unchanged
         block.calibrate_all = frozenset(range(8))
         torch.testing.assert_close(block(x), got, atol=1e-6, rtol=1e-6)
+        block.calibrate_all = frozenset()
+        # weights changed behind the packed views' back (.data reassigned) are noticed
+        block.experts[3].down_proj.weight.data = torch.zeros_like(block.experts[3].down_proj.weight)
+        torch.testing.assert_close(block(x), _naive_moe(block, x), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_steps_leave_experts_idle(tiny_qwen3_moe):  # noqa: F811
@@ -103,7 +117,7 @@ def test_decode_steps_leave_experts_idle(tiny_qwen3_moe):  # noqa: F811
     llm = LLM(str(tiny_qwen3_moe), dtype="float32")
     block = llm.engine.model.layers[0].mlp
     seen: list[list[int]] = []
-    hook = block.register_forward_hook(lambda m, a, o: seen.append(list(m.last_counts)))
+    hook = block.register_forward_hook(lambda m, a, o: seen.append([int(v) for v in m.last_counts]))
     try:
         llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     finally:
