@@ -33,6 +33,7 @@ CASES = [
     ("tiny_mixtral", "rtn", "gptq"),
     ("tiny_qwen2_moe", "gptq", "compressed-tensors"),
     ("tiny_qwen2_moe", "rtn", "gptq"),
+    ("tiny_qwen2_moe", "awq", "compressed-tensors"),
 ]
 
 
@@ -52,7 +53,7 @@ def test_moe_quantize_export_load_generate(case, tmp_path, monkeypatch, request)
     family, method, fmt = case
     src_dir = request.getfixturevalue(family)
     out = tmp_path / "q"
-    extra = calib_options() if method == "gptq" else {}
+    extra = calib_options() if method != "rtn" else {}
     report, modules = quantize_tiny(monkeypatch, src_dir, out, scheme="w4a16", group_size=32, method=method,
                                     format=fmt, **extra)
     spec = resolve_model(str(src_dir)).spec
