@@ -116,6 +116,6 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             timings_s={k: round(v, 3) for k, v in timings.items()},
             bytes_before=bytes_before, bytes_after=(tmp / WEIGHTS_FILE).stat().st_size, notes=notes,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
-                                  kv_cache=cfg.kv_cache is not None))
+                                  kv_cache=cfg.kv_cache is not None, moe=resolved.spec.is_moe))
         report.write(tmp / REPORT)
     return report

@@ -68,6 +68,7 @@ def test_moe_quantize_export_load_generate(case, tmp_path, monkeypatch, request)
         assert f"layers.{i}.mlp.shared_expert_gate" not in modules
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == fmt
+    assert any(n.startswith("Mixture-of-Experts: the table was measured on dense") for n in report.deployment["notes"])
     llm = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16)
     model = llm.engine.model
     for name, qm in modules.items():
