@@ -201,6 +201,19 @@ def smallest_fitting_tp(model: MemoryModel, gpu_memory_bytes: int) -> tuple[int,
     return None
 
 
+def smallest_fitting_ep(model: MemoryModel, gpu_memory_bytes: int) -> tuple[int, int] | None:
+    """MoE: the smallest valid expert-parallel degree > 1 whose per-GPU total fits (None if none)."""
+    spec, opts = model.spec, model.opts
+    if not spec.is_moe:
+        return None
+    for ep in range(2, spec.num_experts + 1):
+        if ep_problem(spec, ep, model.dtypes.group_size) is None:
+            total = model.gpu(opts.seq_len, opts.batch, tp=ep, multi_gpu=True, ep=ep).total
+            if total <= gpu_memory_bytes:
+                return ep, total
+    return None
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """What `--num-gpus N` buys: TP options, a PP split, DP replicas, and advice."""

@@ -30,7 +30,7 @@ from llmopt.planning.memory import (
     VramPlanOptions,
     largest_fitting,
 )
-from llmopt.planning.parallel import ParallelPlan, plan_parallel, smallest_fitting_tp
+from llmopt.planning.parallel import ParallelPlan, plan_parallel, smallest_fitting_ep, smallest_fitting_tp
 from llmopt.units import format_bytes
 
 if TYPE_CHECKING:
@@ -239,11 +239,13 @@ def plan_vram(spec: ModelSpec, opts: VramPlanOptions, model_name: str = "") -> V
         warnings=warnings,
     )
     tp_fit = None if plan.fits else smallest_fitting_tp(model, gpu_mem)
-    return replace(plan, recommendations=recommend(plan, model, tp_fit))
+    ep_fit = None if plan.fits else smallest_fitting_ep(model, gpu_mem)
+    return replace(plan, recommendations=recommend(plan, model, tp_fit, ep_fit))
 
 
 def recommend(
-    plan: VramPlan, model: MemoryModel, tp_fit: tuple[int, int] | None = None
+    plan: VramPlan, model: MemoryModel, tp_fit: tuple[int, int] | None = None,
+    ep_fit: tuple[int, int] | None = None,
 ) -> list[Recommendation]:
     """The OOM checklist, in order: 16-bit weights, int8 then int4 weights (when weights dominate),
     an 8-bit KV cache, a max-length cap, a concurrency cap, then tensor parallelism.
@@ -313,6 +315,14 @@ def recommend(
             "tensor_parallel",
             f"shard over {tp} GPUs with tensor parallelism (--num-gpus {tp}, vLLM "
             f"--tensor-parallel-size {tp}); the saving is per GPU",
+            per_gpu,
+        )
+    if not plan.fits and ep_fit is not None:
+        ep, per_gpu = ep_fit
+        add(
+            "expert_parallel",
+            f"split the experts over {ep} GPUs with expert parallelism, attention TP={ep} (vLLM "
+            f"--tensor-parallel-size {ep} --enable-expert-parallel); the saving is per GPU",
             per_gpu,
         )
     return recs

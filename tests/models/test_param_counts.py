@@ -116,6 +116,18 @@ def test_vram_plan_reports_moe_and_expert_parallel():
     assert dense["expert_parallel"] == [] and dense["invalid_ep_degrees"] == {}
 
 
+def test_oom_checklist_offers_expert_parallelism():
+    # Qwen3-30B-A3B in int4 g128 on 8 GiB GPUs: TP=4 is impossible (192-column expert shards), EP=4 fits
+    spec = ModelSpec.from_hf_config(QWEN3_30B_A3B)
+    opts = VramPlanOptions(gpu_memory_bytes=8 * 2**30, seq_len=4096, batch=4, weight_dtype="int4")
+    recs = {r.kind: r for r in plan_vram(spec, opts).recommendations}
+    assert "tensor_parallel" not in recs or "over 8 GPUs" in recs["tensor_parallel"].action
+    ep = recs["expert_parallel"]
+    assert ep.fits_after and "over 4 GPUs" in ep.action and "--enable-expert-parallel" in ep.action
+    dense = plan_vram(ModelSpec.from_hf_config(QWEN3_8B), opts).recommendations
+    assert all(r.kind != "expert_parallel" for r in dense)
+
+
 def test_vram_plan_cli_on_a_moe_config(tmp_path, monkeypatch, capsys):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
     code, out, err = run_cli(monkeypatch, capsys, "vram-plan", str(tmp_path), "--gpu-memory", "80GiB",
