@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.engine.model_input import ModelInput
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
 from llmopt.layers import compiled as kernels
@@ -69,13 +70,10 @@ class ModelRunner:
         k_pos = torch.arange(end, device=dev).unsqueeze(0)
         return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        """Build input ids, positions and attention metadata.
-
-        Returns (ids, positions, meta, logit_rows, sample_seqs, spec_rows, n_prefill, n_decode, prompt_rows),
-        where spec_rows maps each speculating sequence to the rows of all its scored positions, and
-        prompt_rows lists (sequence, first row, first position, count) of positions whose logits score
-        the next prompt token (requests with prompt_logprobs)."""
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
+        """Build input ids, positions and attention metadata for one scheduled step. Sampled rows end a
+        sequence's known tokens; a speculating sequence has rows for its last real token and each
+        draft; requests with prompt_logprobs add the rows that score their prompt."""
         prefills = [(s, n) for s, n in scheduled if n > 1]
         # longest context first, so that decode groups of similar lengths are consecutive rows
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
@@ -96,14 +94,15 @@ class ModelRunner:
 
         for seq, n in prefills:
             c = seq.num_computed_tokens
-            all_ids = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+            drafts = seq.spec_tokens
+            all_ids = seq.token_ids + drafts if drafts else seq.token_ids
             ids.extend(all_ids[c:c + n])
             pos.extend(range(c, c + n))
             slots.extend(self._slots(seq.block_table, c, c + n))
             ctx = c + n
             meta_prefills.append(self._prefill_chunk(seq.block_table, c, ctx))
             score_prompt(seq, len(ids) - n, c, n)
-            if seq.spec_tokens:
+            if drafts:
                 spec_rows.append((seq, list(range(len(ids) - n, len(ids)))))
             elif ctx == seq.num_tokens:
                 logit_rows.append(len(ids) - 1)
@@ -129,10 +128,14 @@ class ModelRunner:
             meta.decode_groups = self._decode_groups(tables, ctx_lens)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         meta.compiled = self._compiled(len(ids))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return (input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes),
-                prompt_rows)
+        return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                          meta, logit_rows, sample_seqs, spec_rows, prompt_rows, num_prefill_tokens, len(decodes))
+
+    def forward(self, inp: ModelInput, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of one prepared pass; writes its K/V into the cache."""
+        if num_layers is None:
+            return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata)
+        return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata, num_layers=num_layers)
 
     def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted by decreasing context length) into groups whose shortest context is at
@@ -165,16 +168,30 @@ class ModelRunner:
         context it has not seen) as prefill chunks. `num_layers` runs only the first layers plus the
         final norm and head (the layer-skip self-draft, which shares the target's pool: the target's
         verification pass later overwrites those layers' slots with identical values)."""
+        inp = self._prepare_draft(items)
+        hidden = self.forward(inp, num_layers)
+        rows = torch.tensor(inp.logits_indices, device=hidden.device)
+        picked = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        out = [0] * len(items)
+        for i, t in zip(self._draft_order(items), picked, strict=True):
+            out[i] = t
+        return out
+
+    @staticmethod
+    def _draft_order(items: list[tuple[list[int], int, list[int]]]) -> list[int]:
+        """Multi-token runs first, then single tokens by decreasing context (prepare's layout)."""
+        return ([i for i, it in enumerate(items) if len(it[2]) > 1]
+                + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
+
+    def _prepare_draft(self, items: list[tuple[list[int], int, list[int]]]) -> ModelInput:
         dev = self.device
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
         chunks: list[PrefillChunk] = []
-        order = ([i for i, it in enumerate(items) if len(it[2]) > 1]
-                 + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
         tables, ctx_lens = [], []
-        for i in order:
+        for i in self._draft_order(items):
             table, start, toks = items[i]
             end = start + len(toks)
             ids.extend(toks)
@@ -186,24 +203,21 @@ class ModelRunner:
             else:
                 tables.append(table)
                 ctx_lens.append(end)
+        n_prefill = sum(c.q_len for c in chunks)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=chunks,
-                                 num_prefill_tokens=sum(c.q_len for c in chunks), compiled=self._compiled(len(ids)))
+                                 num_prefill_tokens=n_prefill, compiled=self._compiled(len(ids)))
         if tables:
             meta.decode_groups = self._decode_groups(tables, ctx_lens)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long,
-                            device=dev), self.cache, meta, num_layers=num_layers)
-        picked = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).argmax(dim=-1).tolist()
-        out = [0] * len(items)
-        for i, t in zip(order, picked, strict=True):
-            out[i] = t
-        return out
+        return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                          meta, rows, num_prefill_tokens=n_prefill, num_decode_tokens=len(tables))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         t0 = time.perf_counter()
-        input_ids, positions, meta, rows, seqs, spec_rows, n_prefill, n_decode, prompt_rows = self.prepare(scheduled)
+        inp = self.prepare(scheduled)
+        rows, seqs, spec_rows = inp.logits_indices, inp.sample_seqs, inp.spec_rows
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.cache, meta)
+        hidden = self.forward(inp)
         sampled: list[tuple[Sequence, int, dict[int, float] | None]] = []
         spec_logits: list[tuple[Sequence, torch.Tensor]] = []
         all_rows = rows + [r for _, rs in spec_rows for r in rs]
@@ -216,7 +230,7 @@ class ModelRunner:
                 start += len(rs)
         prompt_lps = [(seq, pos + 1, self._prompt_logprobs(hidden[row:row + m], seq.token_ids[pos + 1:pos + 1 + m],
                                                            seq.params.prompt_logprobs or 0))
-                      for seq, row, pos, m in prompt_rows]
+                      for seq, row, pos, m in inp.prompt_rows]
         t2 = time.perf_counter()
         if rows:
             srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
@@ -224,7 +238,8 @@ class ModelRunner:
             tokens, lps = sample(logits, srows)
             sampled = list(zip(seqs, tokens, lps, strict=True))
         t3 = time.perf_counter()
-        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode, prompt_lps)
+        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, inp.num_prefill_tokens,
+                          inp.num_decode_tokens, prompt_lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
         """Log-softmax of each row scoring the matching target token: its logprob and rank (1 = argmax)
