@@ -34,6 +34,7 @@ class BlockManager:
         # counters for metrics (tokens, like vLLM's prefix_cache_queries / hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._reported = (0, 0)
 
     # ---- accounting -------------------------------------------------------
     @property
@@ -75,9 +76,18 @@ class BlockManager:
             if block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break  # hash collision: treat as a miss
             hits.append(bid)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
+
+    def count_prefix_lookup(self, seq: Sequence, hits: list[int]) -> None:
+        """Count a lookup that led to scheduling (a sequence that has to wait is counted when it runs)."""
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+
+    def take_prefix_counts(self) -> tuple[int, int]:
+        """(queried, hit) tokens since the previous call: one step's share, for StepStats."""
+        q0, h0 = self._reported
+        self._reported = (self.prefix_queries, self.prefix_hits)
+        return self.prefix_queries - q0, self.prefix_hits - h0
 
     # ---- allocation ---------------------------------------------------------
     def can_allocate(self, hits: list[int], num_tokens: int) -> bool:

@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._reported_preemptions = 0
 
     def _key(self, seq: Sequence):
         if self.policy == "priority":
@@ -60,6 +61,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+
+    def take_num_preemptions(self) -> int:
+        """Preemptions since the previous call: one step's share, for StepStats."""
+        n = self.num_preemptions - self._reported_preemptions
+        self._reported_preemptions = self.num_preemptions
+        return n
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -119,10 +126,8 @@ class Scheduler:
                     break
                 num_new = budget
             if not self.bm.can_allocate(hits, num_cached + num_new):
-                # undo the query count of a lookup that did not lead to scheduling
-                self.bm.prefix_queries -= seq.num_tokens
-                self.bm.prefix_hits -= num_cached
                 break
+            self.bm.count_prefix_lookup(seq, hits)
             self.waiting.remove(seq)
             self.bm.allocate(seq, hits, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
