@@ -168,7 +168,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
-        seq.draft_computed = 0
+        seq.spec.draft_computed = 0
 
     def reset_prefix_cache(self) -> None:
         """Drop every evictable cached block (used by benchmarks to compare cold runs)."""

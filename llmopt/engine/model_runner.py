@@ -15,6 +15,7 @@ import torch
 from llmopt.engine.model_input import ModelInput
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
+from llmopt.engine.spec_decode.verifier import verify
 from llmopt.layers import compiled as kernels
 from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmopt.layers.kv_cache import PagedKVCache
@@ -29,8 +30,9 @@ PromptLogprob = dict[int, tuple[float, int]]
 
 @dataclass
 class StepResult:
-    sampled: list[tuple[Sequence, int, dict[int, float] | None]]  # (sequence, new token, logprobs)
-    spec_logits: list[tuple[Sequence, torch.Tensor]]  # speculating sequences: logits [1 + drafts, V]
+    # per sequence that gained tokens: the tokens to append and their logprobs (None where not asked
+    # for). A speculating sequence gains its accepted drafts plus the target's own token.
+    new_tokens: list[tuple[Sequence, list[int], list[dict[int, float] | None]]]
     prepare_time: float
     forward_time: float
     sample_time: float
@@ -94,7 +96,7 @@ class ModelRunner:
 
         for seq, n in prefills:
             c = seq.num_computed_tokens
-            drafts = seq.spec_tokens
+            drafts = seq.spec.tokens
             all_ids = seq.token_ids + drafts if drafts else seq.token_ids
             ids.extend(all_ids[c:c + n])
             pos.extend(range(c, c + n))
@@ -218,7 +220,6 @@ class ModelRunner:
         rows, seqs, spec_rows = inp.logits_indices, inp.sample_seqs, inp.spec_rows
         t1 = time.perf_counter()
         hidden = self.forward(inp)
-        sampled: list[tuple[Sequence, int, dict[int, float] | None]] = []
         spec_logits: list[tuple[Sequence, torch.Tensor]] = []
         all_rows = rows + [r for _, rs in spec_rows for r in rs]
         if all_rows:
@@ -232,14 +233,18 @@ class ModelRunner:
                                                            seq.params.prompt_logprobs or 0))
                       for seq, row, pos, m in inp.prompt_rows]
         t2 = time.perf_counter()
+        new_tokens: list[tuple[Sequence, list[int], list[dict[int, float] | None]]] = []
         if rows:
             srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
                                  s.generator, s.grammar) for s in seqs]
             tokens, lps = sample(logits, srows)
-            sampled = list(zip(seqs, tokens, lps, strict=True))
+            new_tokens = [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps, strict=True)]
+        for seq, lg in spec_logits:  # after sampling: both may draw from the global generator, in this order
+            out = verify(lg, seq.spec.tokens, seq.params, seq.generator, seq.grammar)
+            new_tokens.append((seq, out, [None] * len(out)))
         t3 = time.perf_counter()
-        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, inp.num_prefill_tokens,
-                          inp.num_decode_tokens, prompt_lps)
+        return StepResult(new_tokens, t1 - t0, t2 - t1, t3 - t2, inp.num_prefill_tokens, inp.num_decode_tokens,
+                          prompt_lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
         """Log-softmax of each row scoring the matching target token: its logprob and rank (1 = argmax)

@@ -72,7 +72,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        seq.spec_tokens = []
+        seq.spec.tokens = []
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -90,9 +90,10 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             seq = queue[i]
             missing = seq.num_tokens - seq.num_computed_tokens
-            num_new = min(missing + len(seq.spec_tokens), budget)
-            if seq.spec_tokens and num_new < missing + len(seq.spec_tokens):
-                seq.spec_tokens = seq.spec_tokens[:max(0, num_new - missing)]  # drafts trimmed to the budget
+            drafts = seq.spec.tokens
+            num_new = min(missing + len(drafts), budget)
+            if drafts and num_new < missing + len(drafts):
+                seq.spec.tokens = drafts[:max(0, num_new - missing)]  # drafts trimmed to the budget
             if num_new <= 0:
                 i += 1
                 continue
