@@ -63,7 +63,7 @@ class BlockManager:
         """Cached blocks matching the sequence's leading full blocks. At least one token is always left
         to compute, because the last prompt token's logits are needed to sample. A request asking for
         prompt logprobs takes no cached blocks: it needs the logits of every prompt position (as vLLM)."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self._cacheable(seq):
             return []
         max_full = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -78,8 +78,13 @@ class BlockManager:
             hits.append(bid)
         return hits
 
+    def _cacheable(self, seq: Sequence) -> bool:
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
     def count_prefix_lookup(self, seq: Sequence, hits: list[int]) -> None:
         """Count a lookup that led to scheduling (a sequence that has to wait is counted when it runs)."""
+        if not self._cacheable(seq):
+            return
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += len(hits) * self.block_size
 
