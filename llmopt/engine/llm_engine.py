@@ -15,15 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from llmopt.engine.builder import build_engine
 from llmopt.engine.config import EngineConfig
-from llmopt.engine.detokenizer import init_offsets
 from llmopt.engine.model_runner import ModelRunner, StepResult
 from llmopt.engine.output_processor import OutputProcessor
 from llmopt.engine.outputs import RequestOutput
-from llmopt.engine.request import Request, RequestError, check_request
+from llmopt.engine.request import Request, RequestError, check_request, make_sequences
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.scheduler import SchedulerOutput
 from llmopt.engine.sequence import Sequence, SequenceStatus
@@ -88,18 +85,11 @@ class LLMEngine:
         check_request(ids, params, self.spec.vocab_size, self.max_model_len,
                       f"KV pool of {self.num_blocks} blocks × {self.config.block_size}", self.structured_outputs)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        seqs = []
-        for i in range(params.n):
-            seq = Sequence(request_id, i, ids, params, arrival, priority, tuple(self.eos_token_ids))
-            if params.structured_outputs is not None:
-                seq.grammar = self.structured_outputs.matcher(params.structured_outputs)
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            init_offsets(seq)
-            seqs.append(seq)
+        seqs = make_sequences(request_id, ids, params, arrival, priority, self.eos_token_ids, self.structured_outputs,
+                              self.device)
         self.requests[request_id] = Request(request_id, prompt, ids, params, seqs, deadline,
-                                             prompt_logprobs=None if params.prompt_logprobs is None
-                                             else [None] * len(ids))
+                                            prompt_logprobs=None if params.prompt_logprobs is None
+                                            else [None] * len(ids))
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from llmopt.engine.detokenizer import init_offsets
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.sequence import Sequence
 from llmopt.engine.structured_output import GrammarError, StructuredOutputCompiler
@@ -51,3 +54,19 @@ def check_request(ids: list[int], params: SamplingParams, vocab_size: int, max_m
             structured_outputs.compile(params.structured_outputs)
         except GrammarError as e:
             raise RequestError(f"structured_outputs: {e}") from None
+
+
+def make_sequences(request_id: str, ids: list[int], params: SamplingParams, arrival: float, priority: int,
+                   eos_token_ids: list[int], structured_outputs: StructuredOutputCompiler,
+                   device: torch.device) -> list[Sequence]:
+    """The request's n sequences, each with its own grammar matcher and seeded generator."""
+    seqs = []
+    for i in range(params.n):
+        seq = Sequence(request_id, i, ids, params, arrival, priority, tuple(eos_token_ids))
+        if params.structured_outputs is not None:
+            seq.grammar = structured_outputs.matcher(params.structured_outputs)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=device).manual_seed(params.seed + i)
+        init_offsets(seq)
+        seqs.append(seq)
+    return seqs
