@@ -7,6 +7,7 @@ request asking for prompt logprobs, every prompt position of its prefill chunks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -72,66 +73,64 @@ class ModelRunner:
         k_pos = torch.arange(end, device=dev).unsqueeze(0)
         return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
-        """Build input ids, positions and attention metadata for one scheduled step. Sampled rows end a
-        sequence's known tokens; a speculating sequence has rows for its last real token and each
-        draft; requests with prompt_logprobs add the rows that score their prompt."""
-        prefills = [(s, n) for s, n in scheduled if n > 1]
-        # longest context first, so that decode groups of similar lengths are consecutive rows
-        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
+    def _layout(self, chunks: list[tuple[list[int], int, list[int]]], decodes: list[tuple[list[int], int, int]],
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and attention metadata: `chunks` (block table, start, tokens) run as
+        prefill chunks, then `decodes` (block table, position, token), sorted by decreasing context."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        prefills = []
+        for table, start, toks in chunks:
+            end = start + len(toks)
+            ids.extend(toks)
+            pos.extend(range(start, end))
+            slots.extend(self._slots(table, start, end))
+            prefills.append(self._prefill_chunk(table, start, end))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=prefills, num_prefill_tokens=len(ids))
+        if decodes:
+            bs = self.block_size
+            for table, c, tok in decodes:
+                ids.append(tok)
+                pos.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+            meta.decode_groups = self._decode_groups([d[0] for d in decodes], [d[1] + 1 for d in decodes])
+        dev = self.device
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta.compiled = self._compiled(len(ids))
+        return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
+        """One scheduled step's model input. Sampled rows end a sequence's known tokens; a speculating
+        sequence has rows for its last real token and each draft; requests with prompt_logprobs add
+        the rows that score their prompt."""
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        # longest context first, so that decode groups of similar lengths are consecutive rows
+        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
         logit_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        dev = self.device
-        meta_prefills = []
         spec_rows: list[tuple[Sequence, list[int]]] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []
-
-        def score_prompt(seq: Sequence, row: int, c: int, n: int) -> None:
+        chunks = []
+        row = 0  # the first row of the sequence at hand
+        for seq, n in prefills + decodes:
+            c = seq.num_computed_tokens
+            drafts = seq.spec.tokens
+            if n > 1:
+                chunks.append((seq.block_table, c, (seq.token_ids + drafts if drafts else seq.token_ids)[c:c + n]))
             last = min(c + n, seq.num_prompt_tokens - 1)  # position p's logits score prompt token p + 1
             if seq.params.prompt_logprobs is not None and last > c:
                 prompt_rows.append((seq, row, c, last - c))
-
-        for seq, n in prefills:
-            c = seq.num_computed_tokens
-            drafts = seq.spec.tokens
-            all_ids = seq.token_ids + drafts if drafts else seq.token_ids
-            ids.extend(all_ids[c:c + n])
-            pos.extend(range(c, c + n))
-            slots.extend(self._slots(seq.block_table, c, c + n))
-            ctx = c + n
-            meta_prefills.append(self._prefill_chunk(seq.block_table, c, ctx))
-            score_prompt(seq, len(ids) - n, c, n)
             if drafts:
-                spec_rows.append((seq, list(range(len(ids) - n, len(ids)))))
-            elif ctx == seq.num_tokens:
-                logit_rows.append(len(ids) - 1)
+                spec_rows.append((seq, list(range(row, row + n))))
+            elif c + n == seq.num_tokens:
+                logit_rows.append(row + n - 1)
                 sample_seqs.append(seq)
-        num_prefill_tokens = len(ids)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=meta_prefills,
-                                 num_prefill_tokens=num_prefill_tokens)
-        if decodes:
-            bs = self.block_size
-            ctx_lens = []
-            tables = []
-            for seq, _ in decodes:
-                c = seq.num_computed_tokens
-                ids.append(seq.token_ids[c])
-                pos.append(c)
-                slots.append(seq.block_table[c // bs] * bs + c % bs)
-                ctx_lens.append(c + 1)
-                tables.append(seq.block_table)
-                score_prompt(seq, len(ids) - 1, c, 1)  # a one-token prefill chunk
-                if c + 1 == seq.num_tokens:
-                    logit_rows.append(len(ids) - 1)
-                    sample_seqs.append(seq)
-            meta.decode_groups = self._decode_groups(tables, ctx_lens)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta.compiled = self._compiled(len(ids))
-        return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                          meta, logit_rows, sample_seqs, spec_rows, prompt_rows, num_prefill_tokens, len(decodes))
+            row += n
+        ids, pos, meta = self._layout(chunks, [(s.block_table, s.num_computed_tokens, s.token_ids[s.num_computed_tokens])
+                                               for s, _ in decodes])
+        return ModelInput(ids, pos, meta, logit_rows, sample_seqs, spec_rows, prompt_rows, meta.num_prefill_tokens,
+                          len(decodes))
 
     def forward(self, inp: ModelInput, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of one prepared pass; writes its K/V into the cache."""
@@ -186,32 +185,13 @@ class ModelRunner:
                 + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
 
     def _prepare_draft(self, items: list[tuple[list[int], int, list[int]]]) -> ModelInput:
-        dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        chunks: list[PrefillChunk] = []
-        tables, ctx_lens = [], []
-        for i in self._draft_order(items):
-            table, start, toks = items[i]
-            end = start + len(toks)
-            ids.extend(toks)
-            pos.extend(range(start, end))
-            slots.extend(self._slots(table, start, end))
-            rows.append(len(ids) - 1)
-            if len(toks) > 1:
-                chunks.append(self._prefill_chunk(table, start, end))
-            else:
-                tables.append(table)
-                ctx_lens.append(end)
-        n_prefill = sum(c.q_len for c in chunks)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=chunks,
-                                 num_prefill_tokens=n_prefill, compiled=self._compiled(len(ids)))
-        if tables:
-            meta.decode_groups = self._decode_groups(tables, ctx_lens)
-        return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                          meta, rows, num_prefill_tokens=n_prefill, num_decode_tokens=len(tables))
+        order = self._draft_order(items)
+        chunks = [items[i] for i in order if len(items[i][2]) > 1]
+        decodes = [(items[i][0], items[i][1], items[i][2][0]) for i in order if len(items[i][2]) == 1]
+        ids, pos, meta = self._layout(chunks, decodes)
+        rows = list(itertools.accumulate(len(items[i][2]) for i in order))
+        return ModelInput(ids, pos, meta, [r - 1 for r in rows], num_prefill_tokens=meta.num_prefill_tokens,
+                          num_decode_tokens=len(decodes))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
