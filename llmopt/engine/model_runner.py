@@ -1,4 +1,5 @@
-"""ModelRunner: turns a scheduled step into flat tensors, runs the model, and samples.
+"""ModelRunner: turns a scheduled step into a ModelInput, runs the model, samples plain rows and
+verifies speculating ones, and returns per sequence the tokens to append.
 
 Sequences are laid out prefill chunks first, then single-token decodes, so attention can batch all
 decodes in one call. Only positions that end a sequence's known tokens produce logits, plus, for a
