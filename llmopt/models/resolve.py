@@ -178,6 +178,10 @@ def resolve_model(model: str | None = None) -> ResolvedModel:
 
 def weights_dir(resolved: ResolvedModel) -> Path:
     """A directory with config.json, *.safetensors and tokenizer files for `resolved`."""
+    if resolved.config.get("model_type") == "gemma3" and resolved.kind != "gguf":
+        raise LlmoptError(f"{resolved.path} is a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): "
+                          "llmopt reads its text decoder's config for vram-plan, but runs only text-only "
+                          "Gemma 3 weights (Gemma3ForCausalLM)")
     if resolved.kind == "hf_dir":
         if not any(resolved.path.glob("*.safetensors")):
             raise LlmoptError(f"{resolved.path} has no *.safetensors weights")

@@ -69,3 +69,19 @@ def test_multimodal_gemma3_config_plans_its_text_decoder(tmp_path, monkeypatch, 
     code, out, err = run_cli(monkeypatch, capsys, "vram-plan", str(path), "--json")
     assert code == 0, err
     assert json.loads(out)["params"] == 27_009_346_304
+
+
+def test_multimodal_gemma3_weights_are_refused_in_one_line(tmp_path):
+    from llmopt.errors import LlmoptError
+    from llmopt.models import resolve_model
+    from llmopt.models.resolve import weights_dir
+
+    cfg = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+           "text_config": {**GEMMA3_270M, "architectures": None}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    resolved = resolve_model(str(tmp_path))
+    assert resolved.spec.num_params() == 268_098_176
+    with pytest.raises(LlmoptError, match="multimodal Gemma 3 checkpoint") as e:
+        weights_dir(resolved)
+    assert "\n" not in str(e.value)
