@@ -30,16 +30,19 @@ class ModelEntry:
     label: str = ""  # the models people know it by (for messages and docs)
     qkv_bias: bool = False  # q/k/v bias when the config has no `attention_bias`
     force_qkv_bias: bool = False  # the bias is part of the architecture (Qwen2 configs never say)
-    qk_norm: bool = False  # RMSNorm on every q and k head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on every q and k head before RoPE (Qwen3, Gemma 3)
+    norms_per_layer: int = 2  # hidden-size norms per decoder layer (Gemma 3: pre and post, attention and MLP)
 
 
 _LLAMA = "llmopt.models.llama:LlamaForCausalLM"
+_GEMMA3 = "llmopt.models.gemma3:Gemma3ForCausalLM"
 
 REGISTRY: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "Llama 2/3, SmolLM2"),
     ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "Mistral, sliding window"),
     ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2/2.5", qkv_bias=True, force_qkv_bias=True),
     ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3 dense", qk_norm=True),
+    ModelEntry("Gemma3ForCausalLM", "gemma3_text", _GEMMA3, "Gemma 3 text", qk_norm=True, norms_per_layer=4),
 )
 BY_ARCHITECTURE = {e.architecture: e for e in REGISTRY}
 BY_MODEL_TYPE = {e.model_type: e for e in REGISTRY}

@@ -264,7 +264,7 @@ class MemoryModel:
         )
         s = self.spec
         bias = (s.q_size // tp + 2 * self.kv_heads_per_gpu(tp) * s.head_dim) if s.attention_bias else 0
-        return linear + (2 * s.hidden_size + bias) * self.unquantized_bytes
+        return linear + (s.layer_norm_params() + bias) * self.unquantized_bytes
 
     def weights(
         self, tp: int = 1, layers: int | None = None, embedding: bool = True, lm_head: bool = True
