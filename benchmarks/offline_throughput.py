@@ -62,7 +62,7 @@ def bench_mixed(llm: LLM, hf, results: dict) -> None:
     reqs = mixed_workload(llm.engine.spec.vocab_size)
     useful = sum(o for _, o in reqs)
     llm.generate([p for p, _ in reqs[:4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    llm.engine.block_manager.reset_prefix_cache()
+    llm.engine.reset_prefix_cache()
     stats: list = []
     llm.engine.stat_listeners.append(stats.append)
     t0 = time.perf_counter()

@@ -133,6 +133,10 @@ def bench(
     api_key: Optional[str] = typer.Option(None, help="--url: bearer token.", rich_help_panel="Target"),
     request_timeout: Optional[float] = typer.Option(None, help="--url: seconds per request (default 600).",
                                                     rich_help_panel="Target"),
+    send_ignore_eos: Optional[str] = typer.Option(
+        None, help="--url: send the ignore_eos extension: auto (only to llmopt servers; strict servers reject "
+        "unknown fields) | always (vLLM and llama.cpp accept it: the same work for every server) | never.",
+        rich_help_panel="Target"),
     tokenizer: Optional[str] = typer.Option(None, help="--url: model whose tokenizer builds the prompts "
                                             "(default: the embedded model).", rich_help_panel="Target"),
     model: Optional[str] = typer.Option(None, help="Benchmark our engine in-process on MODEL (alias, HF dir, "
@@ -209,7 +213,7 @@ def bench(
         return
     cfg = BenchOptions(
         url=url, endpoint=endpoint, served_model=served_model, api_key=api_key, request_timeout=request_timeout,
-        tokenizer=tokenizer, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+        send_ignore_eos=send_ignore_eos, tokenizer=tokenizer, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching, workload=workload, input_len=input_len,
         output_len=output_len, num_prompts=num_prompts, prefix_len=prefix_len, num_prefixes=num_prefixes,

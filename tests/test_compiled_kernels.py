@@ -80,7 +80,7 @@ def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama):
 
     def prepare(scheduled):
         out = real_prepare(scheduled)
-        seen.append(out[2].compiled)
+        seen.append(out.attn_metadata.compiled)
         return out
 
     compiled.engine.runner.prepare = prepare

@@ -33,6 +33,7 @@ def _scheme(job: dict) -> dict:
 
 
 def _recipe(job: dict):
+    import torch
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     opts = job.get("options", {})
@@ -46,6 +47,13 @@ def _recipe(job: dict):
                              actorder=opts.get("actorder", "static"))]
     if job["method"] == "awq":
         from llmcompressor.modifiers.awq import AWQModifier
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        if not torch.accelerator.is_available():
+            # llm-compressor 0.14's AWQ pins its cached activations for host-to-device copies, which
+            # raises "Cannot access accelerator device when none is available" on a CPU-only machine;
+            # pinning changes no value, so skip it
+            IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
 
         kw = {k: opts[k] for k in ("duo_scaling", "n_grid") if k in opts}
         return [AWQModifier(ignore=ignore, **kw), QuantizationModifier(config_groups=groups, ignore=ignore)]

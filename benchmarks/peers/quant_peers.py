@@ -157,15 +157,26 @@ def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
 class Scorer:
     """One transformers fp32 model of the original; each checkpoint's dense weights are loaded into it."""
 
-    def __init__(self, windows: dict[str, list[list[int]]]) -> None:
+    def __init__(self, windows: dict[str, list[list[int]]], threads: int = 1) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir()), dtype=torch.float32).eval()
         self.original = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.windows = windows
+        self.threads = threads
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def score(self, ckpt: Path | None) -> dict[str, float]:
+        """Perplexity per domain, on one intra-op thread: on a shared 2-core machine a second OpenMP
+        thread made it 5x slower (8 s vs 1.5 s CPU per 512-token window)."""
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self._score(ckpt)
+        finally:
+            torch.set_num_threads(prev)
+
+    def _score(self, ckpt: Path | None) -> dict[str, float]:
         self.model.load_state_dict(self.original)
         if ckpt is not None:
             state = dense_state(ckpt)
@@ -222,8 +233,7 @@ def main() -> None:
                     help="variants: whole labels select exactly those, otherwise substrings (e.g. rtn gptq awq) of "
                          "the default rows and the extra ones; fp32 always runs")
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=16384,
-                    help="scored tokens per domain (fp32 scoring runs ~5-10 s per 512-token window on 2 busy cores)")
+    ap.add_argument("--tokens", type=int, default=32768, help="scored tokens per domain")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--calib", nargs="+", default=CALIB, help="calibration sources (PATH or PATH:weight)")
     ap.add_argument("--num-samples", type=int, default=128, help="calibration windows for GPTQ")
@@ -233,6 +243,7 @@ def main() -> None:
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--score-threads", type=int, default=1, help="intra-op threads for the fp32 scoring")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/llmopt-quant-peers"))
     ap.add_argument("--reuse", action="store_true",
                     help="keep checkpoints (and their scores on the same windows) already in --work-dir")
@@ -264,7 +275,7 @@ def main() -> None:
         "group_size": args.group_size, "rows": {}}
     calibs = {m: calibration(work, args, args.awq_num_samples if m == "awq" else args.num_samples)
               for m in {m for _, m, _ in plan.values() if m != "rtn"}}
-    scorer = Scorer(windows)
+    scorer = Scorer(windows, args.score_threads)
     key = f"{args.tokens}x{args.seq_len}"  # scores are reused (--reuse) only for the same scored windows
     fp32_cache = work / f"fp32.{key}.json"
     if args.reuse and fp32_cache.is_file():

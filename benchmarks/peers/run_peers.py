@@ -11,7 +11,7 @@ int4: llmopt W4A16 g32 RTN / llama.cpp Q4_0 / vLLM CPU on the same W4A16 checkpo
 
 Fairness: every server gets the same threads (--threads, 2), binds loopback and runs alone (started, driven,
 stopped before the next); every server gets identical `llmopt bench --url` requests (same seeds, same warm-up
-before every level, ignore_eos sent to all: see peers_bench.py); the servers are started in rounds
+before every level, ignore_eos sent to all: `--send-ignore-eos always`); the servers are started in rounds
 (A B C A B C ...), and the tables show the median over rounds and the spread (half the range). A cell whose
 server produced fewer output tokens than another on the same requests is flagged.
 
@@ -156,7 +156,8 @@ def server_for(name: str, model: str, sizes: pp.Sizes, threads: int, logs: Path,
 
 
 def bench(url: str, job: pp.Job, out: Path, log: Path) -> bool:
-    cmd = [sys.executable, str(HERE / "peers_bench.py"), "--url", url, *job.args, "--json", str(out)]
+    cmd = [sys.executable, "-m", "llmopt", "bench", "--url", url, "--send-ignore-eos", "always", *job.args,
+           "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
     with log.open("a") as f:
         f.write("$ " + shlex.join(cmd) + "\n")

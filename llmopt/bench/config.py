@@ -75,6 +75,7 @@ class BenchOptions(BaseModel):
     served_model: str | None = None
     api_key: str | None = None
     request_timeout: float | None = None
+    send_ignore_eos: Literal["auto", "always", "never"] | None = None  # None = auto
     tokenizer: str | None = None
     model: str | None = None
     dtype: str | None = None
@@ -153,12 +154,13 @@ class BenchOptions(BaseModel):
             raise LlmoptError(f"--request-timeout must be positive, got {self.request_timeout:g}")
         assert self.url is not None
         timeout = {} if self.request_timeout is None else {"timeout_s": self.request_timeout}
+        send = {"always": True, "never": False}.get(self.send_ignore_eos or "auto")
         return HttpTargetConfig(base_url=self.url, model=self.served_model, endpoint=self.endpoint or "auto",
-                                api_key=self.api_key, **timeout)
+                                api_key=self.api_key, send_ignore_eos=send, **timeout)
 
     def _engine(self) -> EngineConfig:
         http_flags = {"--endpoint": self.endpoint, "--served-model": self.served_model, "--api-key": self.api_key,
-                      "--request-timeout": self.request_timeout}
+                      "--request-timeout": self.request_timeout, "--send-ignore-eos": self.send_ignore_eos}
         if used := [f for f, v in http_flags.items() if v is not None]:
             raise LlmoptError(f"{', '.join(used)} apply to a server (--url), not to the in-process engine")
         args: dict[str, object] = {"model": self.model, "enable_prefix_caching": self.prefix_caching}

@@ -139,6 +139,12 @@ def _spread(total: int, chunks: int) -> list[int]:
 # ----------------------------------------------------------------------------------------- the client
 
 
+# httpx's message when a connection closed before any response byte. Servers (llama.cpp's cpp-httplib)
+# close idle keep-alive connections; a request the client had already put on one never reached the
+# server, so `send` resends it once instead of counting a server failure.
+STALE_CONNECTION = "without sending a response"
+
+
 class HttpTargetConfig(BaseModel):
     """Where and how to send requests."""
 
@@ -242,11 +248,10 @@ class HttpTarget:
             return RequestRecord.failure(start=start, end=time.perf_counter(), error_code=code, error=msg,
                                          prompt_tokens=prompt_est)
 
-        state = _StreamState(chat)
-
-        async def stream() -> tuple[str, str] | None:
+        async def stream(state: _StreamState) -> tuple[str, str] | None:
             """Read the whole response into `state`; (error_code, message) when it is not a good stream."""
             async with self.client.stream("POST", path, json=body) as resp:
+                state.answered = True
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode("utf-8", "replace").strip().replace("\n", " ")
                     return f"http_{resp.status_code}", f"HTTP {resp.status_code}: {detail[:300]}"
@@ -257,18 +262,24 @@ class HttpTarget:
                         return problem
                 return state.handle(parser.flush(), time.perf_counter())
 
-        try:
-            problem = await asyncio.wait_for(stream(), self.config.timeout_s)  # a deadline for the whole request
-        except TimeoutError:  # builtin TimeoutError from 3.11 on, a separate class on 3.10
-            return fail("timeout", f"no complete response within {self.config.timeout_s:g} s")
-        except httpx.TimeoutException as e:
-            return fail("timeout", f"{type(e).__name__}: {e or 'timed out'}")
-        except httpx.ConnectError as e:
-            return fail("connect_error", f"cannot connect to {self.base_url}: {e}")
-        except httpx.RemoteProtocolError as e:
-            return fail("protocol_error", f"{e}")
-        except httpx.HTTPError as e:
-            return fail(f"http_error:{type(e).__name__}", f"{type(e).__name__}: {e}")
+        for attempt in range(2):
+            state = _StreamState(chat)
+            left = self.config.timeout_s - (time.perf_counter() - start)
+            try:
+                problem = await asyncio.wait_for(stream(state), left)  # one deadline for the whole request
+            except TimeoutError:  # builtin TimeoutError from 3.11 on, a separate class on 3.10
+                return fail("timeout", f"no complete response within {self.config.timeout_s:g} s")
+            except httpx.TimeoutException as e:
+                return fail("timeout", f"{type(e).__name__}: {e or 'timed out'}")
+            except httpx.ConnectError as e:
+                return fail("connect_error", f"cannot connect to {self.base_url}: {e}")
+            except httpx.RemoteProtocolError as e:
+                if attempt == 0 and not state.answered and STALE_CONNECTION in str(e):
+                    continue  # see STALE_CONNECTION: resent once, the latency keeps the lost attempt
+                return fail("protocol_error", f"{e}")
+            except httpx.HTTPError as e:
+                return fail(f"http_error:{type(e).__name__}", f"{type(e).__name__}: {e}")
+            break
         if problem:
             return fail(*problem)
         if not state.times:
@@ -288,6 +299,7 @@ class _StreamState:
         self.per_chunk_usage = False
         self.cum_completion = 0
         self.usage: dict[str, Any] | None = None
+        self.answered = False  # response headers arrived
 
     def handle(self, events: list[str], now: float) -> tuple[str, str] | None:
         """Consume SSE payloads that arrived at `now`; returns (error_code, message) on a bad stream."""

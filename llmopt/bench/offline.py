@@ -114,7 +114,7 @@ class OfflineEngineTarget:
                                         progress, f"warm-up ({desc})", transient=True)
             if stopped:
                 return LoadResult(pattern=pattern, records=[], duration_s=0.0, interrupted=True), ServerMetrics()
-        self.engine.block_manager.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
         self.collector.reset()
         records, duration, stopped = self._phase(requests, pattern, batching, progress, desc)
         return (LoadResult(pattern=pattern, records=records, duration_s=duration, interrupted=stopped),
@@ -254,7 +254,7 @@ def _record(out: RequestOutput) -> RequestRecord:
 
 
 def _arrival(eng: LLMEngine, rid: str, default: float) -> float:
-    req = eng.requests.get(rid)
+    req = eng.get_request(rid)
     return req.seqs[0].metrics.arrival_time if req is not None and req.seqs else default
 
 

@@ -29,7 +29,7 @@ class CalibBatch:
     """Several windows laid out as one flat prefill batch, and the hidden state entering the next layer."""
 
     positions: torch.Tensor  # [T]
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin for `positions` (model.rotary)
+    rope: tuple  # what model.rotary gives for `positions` (llama: cos, sin), passed to every layer
     meta: AttentionMetadata
     hidden: torch.Tensor  # [T, hidden]
     residual: torch.Tensor | None
@@ -71,7 +71,7 @@ def embed_batches(model: CausalLM, windows: torch.Tensor, batch_windows: int,
         meta = AttentionMetadata(slot_mapping=torch.arange(b * seq_len, device=dev), prefills=chunks,
                                  num_prefill_tokens=b * seq_len)
         positions = torch.arange(seq_len, device=dev).repeat(b)
-        batches.append(CalibBatch(positions, model.rotary(positions), meta, model.embed_tokens(flat).to(dtype), None))
+        batches.append(CalibBatch(positions, model.rotary(positions), meta, model.embed(flat).to(dtype), None))
     return batches
 
 

@@ -34,6 +34,7 @@ class BlockManager:
         # counters for metrics (tokens, like vLLM's prefix_cache_queries / hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._reported = (0, 0)
 
     # ---- accounting -------------------------------------------------------
     @property
@@ -62,7 +63,7 @@ class BlockManager:
         """Cached blocks matching the sequence's leading full blocks. At least one token is always left
         to compute, because the last prompt token's logits are needed to sample. A request asking for
         prompt logprobs takes no cached blocks: it needs the logits of every prompt position (as vLLM)."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self._cacheable(seq):
             return []
         max_full = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -75,9 +76,23 @@ class BlockManager:
             if block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break  # hash collision: treat as a miss
             hits.append(bid)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
+
+    def _cacheable(self, seq: Sequence) -> bool:
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
+    def count_prefix_lookup(self, seq: Sequence, hits: list[int]) -> None:
+        """Count a lookup that led to scheduling (a sequence that has to wait is counted when it runs)."""
+        if not self._cacheable(seq):
+            return
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+
+    def take_prefix_counts(self) -> tuple[int, int]:
+        """(queried, hit) tokens since the previous call: one step's share, for StepStats."""
+        q0, h0 = self._reported
+        self._reported = (self.prefix_queries, self.prefix_hits)
+        return self.prefix_queries - q0, self.prefix_hits - h0
 
     # ---- allocation ---------------------------------------------------------
     def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
@@ -158,7 +173,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
-        seq.draft_computed = 0
+        seq.spec.draft_computed = 0
 
     def reset_prefix_cache(self) -> None:
         """Drop every evictable cached block (used by benchmarks to compare cold runs)."""

@@ -1,4 +1,5 @@
-"""ModelRunner: turns a scheduled step into flat tensors, runs the model, and samples.
+"""ModelRunner: turns a scheduled step into a ModelInput, runs the model, samples plain rows and
+verifies speculating ones, and returns per sequence the tokens to append.
 
 Sequences are laid out prefill chunks first, then single-token decodes, so attention can batch all
 decodes in one call. Only positions that end a sequence's known tokens produce logits, plus, for a
@@ -7,13 +8,16 @@ request asking for prompt logprobs, every prompt position of its prefill chunks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.engine.model_input import ModelInput
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
+from llmopt.engine.spec_decode.verifier import verify
 from llmopt.layers import compiled as kernels
 from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmopt.layers.kv_cache import PagedKVCache
@@ -28,8 +32,9 @@ PromptLogprob = dict[int, tuple[float, int]]
 
 @dataclass
 class StepResult:
-    sampled: list[tuple[Sequence, int, dict[int, float] | None]]  # (sequence, new token, logprobs)
-    spec_logits: list[tuple[Sequence, torch.Tensor]]  # speculating sequences: logits [1 + drafts, V]
+    # per sequence that gained tokens: the tokens to append and their logprobs (None where not asked
+    # for). A speculating sequence gains its accepted drafts plus the target's own token.
+    new_tokens: list[tuple[Sequence, list[int], list[dict[int, float] | None]]]
     prepare_time: float
     forward_time: float
     sample_time: float
@@ -69,70 +74,70 @@ class ModelRunner:
         k_pos = torch.arange(end, device=dev).unsqueeze(0)
         return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        """Build input ids, positions and attention metadata.
-
-        Returns (ids, positions, meta, logit_rows, sample_seqs, spec_rows, n_prefill, n_decode, prompt_rows),
-        where spec_rows maps each speculating sequence to the rows of all its scored positions, and
-        prompt_rows lists (sequence, first row, first position, count) of positions whose logits score
-        the next prompt token (requests with prompt_logprobs)."""
-        prefills = [(s, n) for s, n in scheduled if n > 1]
-        # longest context first, so that decode groups of similar lengths are consecutive rows
-        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
+    def _layout(self, chunks: list[tuple[list[int], int, list[int]]], decodes: list[tuple[list[int], int, int]],
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and attention metadata: `chunks` (block table, start, tokens) run as
+        prefill chunks, then `decodes` (block table, position, token), sorted by decreasing context."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        prefills = []
+        for table, start, toks in chunks:
+            end = start + len(toks)
+            ids.extend(toks)
+            pos.extend(range(start, end))
+            slots.extend(self._slots(table, start, end))
+            prefills.append(self._prefill_chunk(table, start, end))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=prefills, num_prefill_tokens=len(ids))
+        if decodes:
+            bs = self.block_size
+            for table, c, tok in decodes:
+                ids.append(tok)
+                pos.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+            meta.decode_groups = self._decode_groups([d[0] for d in decodes], [d[1] + 1 for d in decodes])
+        dev = self.device
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta.compiled = self._compiled(len(ids))
+        return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
+        """One scheduled step's model input. Sampled rows end a sequence's known tokens; a speculating
+        sequence has rows for its last real token and each draft; requests with prompt_logprobs add
+        the rows that score their prompt."""
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        # longest context first, so that decode groups of similar lengths are consecutive rows
+        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
         logit_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        dev = self.device
-        meta_prefills = []
         spec_rows: list[tuple[Sequence, list[int]]] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []
-
-        def score_prompt(seq: Sequence, row: int, c: int, n: int) -> None:
+        chunks = []
+        row = 0  # the first row of the sequence at hand
+        for seq, n in prefills + decodes:
+            c = seq.num_computed_tokens
+            drafts = seq.spec.tokens
+            if n > 1:
+                chunks.append((seq.block_table, c, (seq.token_ids + drafts if drafts else seq.token_ids)[c:c + n]))
             last = min(c + n, seq.num_prompt_tokens - 1)  # position p's logits score prompt token p + 1
             if seq.params.prompt_logprobs is not None and last > c:
                 prompt_rows.append((seq, row, c, last - c))
-
-        for seq, n in prefills:
-            c = seq.num_computed_tokens
-            all_ids = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
-            ids.extend(all_ids[c:c + n])
-            pos.extend(range(c, c + n))
-            slots.extend(self._slots(seq.block_table, c, c + n))
-            ctx = c + n
-            meta_prefills.append(self._prefill_chunk(seq.block_table, c, ctx))
-            score_prompt(seq, len(ids) - n, c, n)
-            if seq.spec_tokens:
-                spec_rows.append((seq, list(range(len(ids) - n, len(ids)))))
-            elif ctx == seq.num_tokens:
-                logit_rows.append(len(ids) - 1)
+            if drafts:
+                spec_rows.append((seq, list(range(row, row + n))))
+            elif c + n == seq.num_tokens:
+                logit_rows.append(row + n - 1)
                 sample_seqs.append(seq)
-        num_prefill_tokens = len(ids)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=meta_prefills,
-                                 num_prefill_tokens=num_prefill_tokens)
-        if decodes:
-            bs = self.block_size
-            ctx_lens = []
-            tables = []
-            for seq, _ in decodes:
-                c = seq.num_computed_tokens
-                ids.append(seq.token_ids[c])
-                pos.append(c)
-                slots.append(seq.block_table[c // bs] * bs + c % bs)
-                ctx_lens.append(c + 1)
-                tables.append(seq.block_table)
-                score_prompt(seq, len(ids) - 1, c, 1)  # a one-token prefill chunk
-                if c + 1 == seq.num_tokens:
-                    logit_rows.append(len(ids) - 1)
-                    sample_seqs.append(seq)
-            meta.decode_groups = self._decode_groups(tables, ctx_lens)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta.compiled = self._compiled(len(ids))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return (input_ids, positions, meta, logit_rows, sample_seqs, spec_rows, num_prefill_tokens, len(decodes),
-                prompt_rows)
+            row += n
+        ids, pos, meta = self._layout(chunks, [(s.block_table, s.num_computed_tokens, s.token_ids[s.num_computed_tokens])
+                                               for s, _ in decodes])
+        return ModelInput(ids, pos, meta, logit_rows, sample_seqs, spec_rows, prompt_rows, meta.num_prefill_tokens,
+                          len(decodes))
+
+    def forward(self, inp: ModelInput, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of one prepared pass; writes its K/V into the cache."""
+        if num_layers is None:
+            return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata)
+        return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata, num_layers=num_layers)
 
     def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted by decreasing context length) into groups whose shortest context is at
@@ -165,46 +170,37 @@ class ModelRunner:
         context it has not seen) as prefill chunks. `num_layers` runs only the first layers plus the
         final norm and head (the layer-skip self-draft, which shares the target's pool: the target's
         verification pass later overwrites those layers' slots with identical values)."""
-        dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        chunks: list[PrefillChunk] = []
-        order = ([i for i, it in enumerate(items) if len(it[2]) > 1]
-                 + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
-        tables, ctx_lens = [], []
-        for i in order:
-            table, start, toks = items[i]
-            end = start + len(toks)
-            ids.extend(toks)
-            pos.extend(range(start, end))
-            slots.extend(self._slots(table, start, end))
-            rows.append(len(ids) - 1)
-            if len(toks) > 1:
-                chunks.append(self._prefill_chunk(table, start, end))
-            else:
-                tables.append(table)
-                ctx_lens.append(end)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=chunks,
-                                 num_prefill_tokens=sum(c.q_len for c in chunks), compiled=self._compiled(len(ids)))
-        if tables:
-            meta.decode_groups = self._decode_groups(tables, ctx_lens)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long,
-                            device=dev), self.cache, meta, num_layers=num_layers)
-        picked = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).argmax(dim=-1).tolist()
+        inp = self._prepare_draft(items)
+        hidden = self.forward(inp, num_layers)
+        rows = torch.tensor(inp.logits_indices, device=hidden.device)
+        picked = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
         out = [0] * len(items)
-        for i, t in zip(order, picked, strict=True):
+        for i, t in zip(self._draft_order(items), picked, strict=True):
             out[i] = t
         return out
+
+    @staticmethod
+    def _draft_order(items: list[tuple[list[int], int, list[int]]]) -> list[int]:
+        """Multi-token runs first, then single tokens by decreasing context (prepare's layout)."""
+        return ([i for i, it in enumerate(items) if len(it[2]) > 1]
+                + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
+
+    def _prepare_draft(self, items: list[tuple[list[int], int, list[int]]]) -> ModelInput:
+        order = self._draft_order(items)
+        chunks = [items[i] for i in order if len(items[i][2]) > 1]
+        decodes = [(items[i][0], items[i][1], items[i][2][0]) for i in order if len(items[i][2]) == 1]
+        ids, pos, meta = self._layout(chunks, decodes)
+        rows = list(itertools.accumulate(len(items[i][2]) for i in order))
+        return ModelInput(ids, pos, meta, [r - 1 for r in rows], num_prefill_tokens=meta.num_prefill_tokens,
+                          num_decode_tokens=len(decodes))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         t0 = time.perf_counter()
-        input_ids, positions, meta, rows, seqs, spec_rows, n_prefill, n_decode, prompt_rows = self.prepare(scheduled)
+        inp = self.prepare(scheduled)
+        rows, seqs, spec_rows = inp.logits_indices, inp.sample_seqs, inp.spec_rows
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.cache, meta)
-        sampled: list[tuple[Sequence, int, dict[int, float] | None]] = []
+        hidden = self.forward(inp)
         spec_logits: list[tuple[Sequence, torch.Tensor]] = []
         all_rows = rows + [r for _, rs in spec_rows for r in rs]
         if all_rows:
@@ -216,15 +212,20 @@ class ModelRunner:
                 start += len(rs)
         prompt_lps = [(seq, pos + 1, self._prompt_logprobs(hidden[row:row + m], seq.token_ids[pos + 1:pos + 1 + m],
                                                            seq.params.prompt_logprobs or 0))
-                      for seq, row, pos, m in prompt_rows]
+                      for seq, row, pos, m in inp.prompt_rows]
         t2 = time.perf_counter()
+        new_tokens: list[tuple[Sequence, list[int], list[dict[int, float] | None]]] = []
         if rows:
             srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
                                  s.generator, s.grammar) for s in seqs]
             tokens, lps = sample(logits, srows)
-            sampled = list(zip(seqs, tokens, lps, strict=True))
+            new_tokens = [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps, strict=True)]
+        for seq, lg in spec_logits:  # after sampling: both may draw from the global generator, in this order
+            out = verify(lg, seq.spec.tokens, seq.params, seq.generator, seq.grammar)
+            new_tokens.append((seq, out, [None] * len(out)))
         t3 = time.perf_counter()
-        return StepResult(sampled, spec_logits, t1 - t0, t2 - t1, t3 - t2, n_prefill, n_decode, prompt_lps)
+        return StepResult(new_tokens, t1 - t0, t2 - t1, t3 - t2, inp.num_prefill_tokens, inp.num_decode_tokens,
+                          prompt_lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
         """Log-softmax of each row scoring the matching target token: its logprob and rank (1 = argmax)

@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._reported_preemptions = 0
 
     def _key(self, seq: Sequence):
         if self.policy == "priority":
@@ -61,11 +62,17 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free(seq)
 
+    def take_num_preemptions(self) -> int:
+        """Preemptions since the previous call: one step's share, for StepStats."""
+        n = self.num_preemptions - self._reported_preemptions
+        self._reported_preemptions = self.num_preemptions
+        return n
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        seq.spec_tokens = []
+        seq.spec.tokens = []
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -83,9 +90,10 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             seq = queue[i]
             missing = seq.num_tokens - seq.num_computed_tokens
-            num_new = min(missing + len(seq.spec_tokens), budget)
-            if seq.spec_tokens and num_new < missing + len(seq.spec_tokens):
-                seq.spec_tokens = seq.spec_tokens[:max(0, num_new - missing)]  # drafts trimmed to the budget
+            drafts = seq.spec.tokens
+            num_new = min(missing + len(drafts), budget)
+            if drafts and num_new < missing + len(drafts):
+                seq.spec.tokens = drafts[:max(0, num_new - missing)]  # drafts trimmed to the budget
             if num_new <= 0:
                 i += 1
                 continue
@@ -119,10 +127,8 @@ class Scheduler:
                     break
                 num_new = budget
             if not self.bm.can_allocate(hits, num_cached + num_new):
-                # undo the query count of a lookup that did not lead to scheduling
-                self.bm.prefix_queries -= seq.num_tokens
-                self.bm.prefix_hits -= num_cached
                 break
+            self.bm.count_prefix_lookup(seq, hits)
             self.waiting.remove(seq)
             self.bm.allocate(seq, hits, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING

@@ -50,8 +50,7 @@ def iter_logits(engine: LLMEngine, sequences: list[list[int]],
             i += 1
         try:
             scheduled = [(seq, seq.num_tokens) for _, seq in batch]
-            input_ids, positions, meta, *_ = engine.runner.prepare(scheduled)
-            hidden = engine.model(input_ids, positions, engine.kv_cache, meta)
+            hidden = engine.runner.forward(engine.runner.prepare(scheduled))
             start = 0
             # prepare() lays out multi-token chunks first, then 1-token ones, each group in input order
             order = [b for b in batch if b[1].num_tokens > 1] + [b for b in batch if b[1].num_tokens == 1]

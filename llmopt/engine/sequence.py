@@ -9,6 +9,7 @@ import torch
 
 from llmopt.engine.outputs import RequestMetrics
 from llmopt.engine.sampling_params import SamplingParams
+from llmopt.engine.spec_decode.state import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -45,13 +46,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         self.grammar = None  # structured outputs: this sequence's GrammarMatcher, advanced as tokens append
-        # speculative decoding: draft tokens scored this step, and the request's running acceptance
-        self.spec_tokens: list[int] = []
-        self.spec_proposed = 0
-        self.spec_accepted = 0
-        self.spec_disabled = False
-        self.spec_k = 0  # this request's current draft length (0: the configured k)
-        self.draft_computed = 0  # tokens whose K/V the separate draft model has cached (method "draft")
+        self.spec = SpecState()  # speculative decoding: this step's drafts, the request's acceptance
         # incremental detokenization state
         self.output_text = ""
         self.prefix_offset = 0

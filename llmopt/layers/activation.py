@@ -1,4 +1,4 @@
-"""SiLU(gate) · up over a fused gate|up projection output (the llama MLP's activation)."""
+"""act(gate) · up over a fused gate|up projection output: SiLU (llama MLP), GELU-tanh (Gemma's GeGLU)."""
 
 from __future__ import annotations
 
@@ -9,3 +9,8 @@ import torch.nn.functional as F
 def silu_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = x.split(intermediate_size, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    gate, up = x.split(intermediate_size, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

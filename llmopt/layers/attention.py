@@ -106,12 +106,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class PagedAttention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int | None = None):
+                 window: int | None = None, scale: float | None = None):
+        """`scale`: the softmax scale (default head_dim**-0.5; Gemma's query_pre_attn_scalar**-0.5)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.window = window  # sliding window (tokens), None = full causal attention
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.gqa = num_heads != num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,

@@ -1,4 +1,7 @@
-"""RMSNorm, computed in float32 like transformers does, so fp32 outputs match token for token."""
+"""RMSNorm, computed in float32 like transformers does, so fp32 outputs match token for token.
+
+`OffsetRMSNorm` is Gemma's variant: the checkpoint stores w and the scale is (1 + w), applied in
+float32 before the cast back (Llama casts first, then multiplies)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
+    weight_offset = 0.0  # the effective scale is weight + weight_offset
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
@@ -34,3 +39,32 @@ class RMSNorm(nn.Module):
         if residual is None:
             return kernels.call(compiled, rms_norm, x, self.weight, self.eps)
         return kernels.call(compiled, add_rms_norm, x, residual, self.weight, self.eps)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_offset_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return offset_rms_norm(x, weight, eps), x
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm scaled by (1 + weight) (Gemma). `weight_offset` tells scale folding (AWQ, SmoothQuant)
+    that the effective scale is weight + 1."""
+
+    weight_offset = 1.0
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__(hidden_size, eps, dtype, device)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, compiled: bool = False):
+        if residual is None:
+            return kernels.call(compiled, offset_rms_norm, x, self.weight, self.eps)
+        return kernels.call(compiled, add_offset_rms_norm, x, residual, self.weight, self.eps)

@@ -55,3 +55,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = xf.shape[-1] // 2
     rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
+
+
+class OnTheFlyRotary(nn.Module):
+    """cos/sin computed per step from the positions (positions x inv_freq, as transformers does) instead
+    of a table: for long-context models with several RoPE bases (Gemma 3: 32k-128k positions, head_dim
+    256, two bases), a table per base would cost hundreds of MiB."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, device=None):
+        super().__init__()
+        self.register_buffer("inv_freq", _inv_freq(head_dim, theta, scaling).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos(), emb.sin()

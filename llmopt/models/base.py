@@ -32,6 +32,9 @@ class CausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
     # our per-layer linears that quantization may swap (module paths inside a decoder layer)
     quantizable_linears: ClassVar[tuple[str, ...]] = ()
+    # AWQ / SmoothQuant mappings: our linear (inside a layer) -> the module that produces its input and,
+    # for a fused producer, the part whose rows produce it (None: a norm, whose weight takes the 1/s)
+    quant_producers: ClassVar[dict[str, tuple[str, str | None]]] = {}
     # linears (regexes over module paths inside a decoder layer) that quantization keeps in float:
     # MoE routers, whose few weights decide which experts run
     float_linears: ClassVar[tuple[str, ...]] = ()
@@ -47,8 +50,20 @@ class CausalLM(nn.Module):
                 num_layers: int | None = None) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state entering layer 0 (Gemma scales it); calibration embeds through this too."""
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def build_rotary(self, device) -> nn.Module:
+        """The RoPE module (buffers only, never in a checkpoint): built again on the real device after
+        meta-device construction. One table of every position's cos/sin for all layers by default."""
+        from llmopt.layers.rotary import RotaryEmbedding
+
+        s = self.spec
+        return RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling, device=device)
 
     # ---- checkpoint names <-> ours ----------------------------------------
     @classmethod

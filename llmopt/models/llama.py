@@ -19,7 +19,7 @@ from llmopt.layers.attention import AttentionMetadata, PagedAttention
 from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import RMSNorm
-from llmopt.layers.rotary import RotaryEmbedding, apply_rotary
+from llmopt.layers.rotary import apply_rotary
 from llmopt.models.base import CausalLM
 from llmopt.models.spec import ModelSpec
 
@@ -81,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(spec, dtype, device)
 
     def forward(self, rope, hidden, residual, cache, meta):
-        """`rope` is the (cos, sin) pair for this step's positions, see `RotaryEmbedding`."""
+        """`rope` is the (cos, sin) pair for this step's positions, see `CausalLM.build_rotary`."""
         fast = meta.compiled
         if residual is None:
             residual = hidden
@@ -102,6 +102,11 @@ class LlamaForCausalLM(CausalLM):
         "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
     }
     quantizable_linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    quant_producers = {
+        "self_attn.qkv_proj": ("input_layernorm", None),
+        "mlp.gate_up_proj": ("post_attention_layernorm", None),
+        "mlp.down_proj": ("mlp.gate_up_proj", "up_proj"),
+    }
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -109,8 +114,7 @@ class LlamaForCausalLM(CausalLM):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         # one cos/sin table for all layers (a non-persistent buffer, not in the checkpoint)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
-                                      spec.rope_scaling, device=device)
+        self.rotary = self.build_rotary(device)
         self.layers = nn.ModuleList(self.decoder_layer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)

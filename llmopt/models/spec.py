@@ -44,7 +44,12 @@ class ModelSpec(BaseModel):
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None  # of the full-attention layers
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers when it differs (Gemma 3)
+    norms_per_layer: int = 2  # hidden-size norms per decoder layer (Gemma 3 has 4)
+    query_pre_attn_scalar: float | None = None  # attention scale = this**-0.5 (None: head_dim)
+    hidden_activation: str = "silu"  # of the gated MLP: silu or gelu_pytorch_tanh
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     dtype: str = "float16"
@@ -54,6 +59,7 @@ class ModelSpec(BaseModel):
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         """Normalize a transformers config dict. Accepts transformers 4.x and 5.x rope layouts."""
+        cfg = _text_config(cfg)
         entry = registry.lookup(cfg)
         model_type = str(cfg.get("model_type") or entry.model_type)
         try:
@@ -69,7 +75,18 @@ class ModelSpec(BaseModel):
         if heads % kv_heads:
             raise LlmoptError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         rope = cfg.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        local_theta = None
+        default_theta = 10000.0
+        if model_type == "gemma3_text" or isinstance(rope.get("full_attention"), dict):
+            # per-layer-type RoPE (transformers 5 nests it by layer type; 4.x: rope_local_base_freq)
+            local = rope.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise LlmoptError(f"unsupported rope scaling {local['rope_type']!r} on sliding layers; "
+                                  "supported there: default")
+            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+            rope = rope.get("full_attention") or {}
+            default_theta = 1_000_000.0 if model_type == "gemma3_text" else default_theta
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", default_theta)))
         scaling = cfg.get("rope_scaling")
         if rope and rope.get("rope_type", "default") != "default":
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -85,6 +102,16 @@ class ModelSpec(BaseModel):
         attention_bias = entry.force_qkv_bias or bool(cfg.get("attention_bias", cfg.get("qkv_bias", entry.qkv_bias)))
         layer_types, window = _attention_layout(cfg, model_type, layers)
         moe = _moe_layout(cfg, entry.moe, layers, inter)
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise LlmoptError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
+                              "(Gemma 2 style attention soft-capping)")
+        if cfg.get("use_bidirectional_attention"):
+            raise LlmoptError("use_bidirectional_attention is not supported (llmopt runs causal decoders)")
+        act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise LlmoptError(f"unsupported MLP activation {act!r}; supported: silu, gelu_pytorch_tanh")
+        softcap = cfg.get("final_logit_softcapping")
+        qpas = cfg.get("query_pre_attn_scalar")
         return cls(
             model_type=model_type,
             architecture=entry.architecture,
@@ -103,6 +130,11 @@ class ModelSpec(BaseModel):
             **moe,
             rope_theta=theta,
             rope_scaling=scaling,
+            rope_local_theta=local_theta,
+            norms_per_layer=entry.norms_per_layer,
+            query_pre_attn_scalar=None if qpas is None else float(qpas),
+            hidden_activation=act,
+            final_logit_softcapping=None if softcap is None else float(softcap),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             dtype=dtype,
@@ -111,6 +143,10 @@ class ModelSpec(BaseModel):
         )
 
     # ---- derived sizes -------------------------------------------------
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -165,8 +201,11 @@ class ModelSpec(BaseModel):
     def layer_other_params(self, layer: int = 0) -> int:
         """Norm weights (q/k norms too), q/k/v biases and MoE routers of one decoder layer."""
         bias = (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
-        qk_norm = 2 * self.head_dim if self.qk_norm else 0
-        return 2 * self.hidden_size + bias + qk_norm + self.layer_router_params(layer)
+        return self.layer_norm_params() + bias + self.layer_router_params(layer)
+
+    def layer_norm_params(self) -> int:
+        """Norm weights of one decoder layer: the hidden-size norms and the per-head q/k norms."""
+        return self.norms_per_layer * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     def layer_params(self, layer: int) -> int:
         return self.layer_linear_params(layer) + self.layer_other_params(layer)
@@ -241,11 +280,21 @@ def _moe_layout(cfg: dict[str, Any], moe: str, num_layers: int, intermediate: in
             "shared_expert_intermediate_size": shared, "norm_topk_prob": norm, "moe_layers": tuple(sparse)}
 
 
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 config (`model_type` gemma3) -> its text decoder's config (vram-plan sizes
+    the language model; the vision tower is not counted)."""
+    text = cfg.get("text_config")
+    if cfg.get("model_type") != "gemma3" or not isinstance(text, dict):
+        return cfg
+    return {**text, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "torch_dtype": text.get("torch_dtype") or cfg.get("torch_dtype") or cfg.get("dtype")}
+
+
 def _attention_layout(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
     """(layer_types, sliding_window) as transformers applies them: an explicit `layer_types` list; else
     Mistral's `sliding_window` on every layer; else Qwen2/3's `use_sliding_window` on the layers from
     `max_window_layers` on. A window that covers every position is no window."""
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096 if model_type == "gemma3_text" else None)  # transformers' default
     types = cfg.get("layer_types")
     if types is None:
         if model_type in ("mistral", "mixtral") and window:
@@ -258,6 +307,9 @@ def _attention_layout(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
         elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
             first = int(cfg.get("max_window_layers", 0))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif model_type == "gemma3_text":  # older configs: every `sliding_window_pattern`-th layer is full
+            pattern = int(cfg.get("sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         else:
             return (), None
     types = [str(t) for t in types]
@@ -271,6 +323,8 @@ def _attention_layout(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
     if not window or int(window) <= 0:
         raise LlmoptError("layer_types has sliding_attention layers but config.json sets no sliding_window")
     window = int(window)
-    if window >= int(cfg.get("max_position_embeddings", 2048)):
+    # a window covering every position is no window, except where the layer type also picks the
+    # RoPE base (Gemma 3): keep the types then (the mask is a no-op)
+    if window >= int(cfg.get("max_position_embeddings", 2048)) and model_type != "gemma3_text":
         return (), None
     return tuple(types), window

@@ -289,8 +289,7 @@ class MemoryModel:
                 linear += b * (n_experts if name.startswith("mlp.experts.") else 1)
             s = self.spec
             bias = (s.q_size // tp + 2 * self.kv_heads_per_gpu(tp) * s.head_dim) if s.attention_bias else 0
-            qk_norm = 2 * s.head_dim if s.qk_norm else 0
-            other = 2 * s.hidden_size + bias + qk_norm + s.layer_router_params(layer)
+            other = s.layer_norm_params() + bias + s.layer_router_params(layer)
             self._layer_cache[key] = linear + other * self.unquantized_bytes
         return self._layer_cache[key]
 

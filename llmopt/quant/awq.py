@@ -147,9 +147,10 @@ def scale_linear_inputs(weight: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     return (weight.float() * scales.float()[None, :]).to(weight.dtype)
 
 
-def fold_scales_into_norm(norm_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """RMSNorm weight / s, so the norm emits x/s for the scaled linears that follow it."""
-    return (norm_weight.float() / scales.float()).to(norm_weight.dtype)
+def fold_scales_into_norm(norm_weight: torch.Tensor, scales: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm weight / s, so the norm emits x/s for the scaled linears that follow it. `offset`: the
+    norm scales by (weight + offset) (Gemma's 1 + w), so the stored weight becomes (w + offset) / s - offset."""
+    return ((norm_weight.float() + offset) / scales.float() - offset).to(norm_weight.dtype)
 
 
 def fold_scales_into_linear_rows(prev_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -198,8 +198,6 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.dtype,
                          device: str | torch.device = "cpu") -> CausalLM:
     """Our model for a GPTQ or compressed-tensors checkpoint; quantized linears compute in `dtype`."""
-    from llmopt.layers.rotary import RotaryEmbedding
-
     qcfg = resolved.quantization_config or {}
     method = qcfg.get("quant_method")
     if method not in SUPPORTED:
@@ -229,8 +227,7 @@ def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.
                     mod.bias[lo:hi].copy_(p.bias)
     _materialize(model, device)
     # RoPE tables are not in the checkpoint: build them on the real device
-    model.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
-                                   spec.rope_scaling, device=device)
+    model.rotary = model.build_rotary(device)
     params = dict(model.named_parameters())
     for key in ts.where:
         if key in used or key.endswith(("k_scale", "v_scale")) or "rotary_emb" in key:

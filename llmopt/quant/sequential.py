@@ -7,8 +7,8 @@ For each decoder layer, in order:
    Hessian, per-channel |x| maxima (SmoothQuant) and a strided sample of input rows (AWQ searches,
    error report). The forward stops at down_proj's input, the last thing needed.
 2. transform: SmoothQuant (w8a8 targets) and AWQ (int weight-only targets) scale input channels and
-   fold 1/s into the producer: input_layernorm → q|k|v, post_attention_layernorm → gate|up, up_proj
-   rows → down_proj. o_proj is skipped: with GQA, the heads that share one v row would need tied scales.
+   fold 1/s into the producer the model class declares (`CausalLM.quant_producers`; llama:
+   input_layernorm → q|k|v, post_attention_layernorm → gate|up, up_proj rows → down_proj). o_proj is skipped: with GQA, the heads that share one v row would need tied scales.
    GPTQ Hessians are transformed exactly (H' = H / s sᵀ), so GPTQ can run on smoothed weights.
 3. quantize every linear of the layer (GPTQ / AWQ clip + RTN / RTN / fp8).
 4. propagate: rerun the layer with the quantized weights to produce the next layer's inputs, recording
@@ -62,19 +62,13 @@ from llmopt.quant.targets import Target
 
 SAMPLE_TOKENS = 512  # input rows kept per linear for AWQ searches and the error report
 
-# our module (relative to a layer) -> (the norm that produces its input, or the fused module + part
-# whose rows produce it)
-_PRODUCERS = {
-    "self_attn.qkv_proj": ("input_layernorm", None),
-    "mlp.gate_up_proj": ("post_attention_layernorm", None),
-    "mlp.down_proj": ("mlp.gate_up_proj", "up_proj"),
-}
 _EXPERT_DOWN = re.compile(r"^(mlp\.(?:experts\.\d+|shared_expert))\.down_proj$")
 
 
-def _producers(layer_targets) -> dict[str, tuple[str, str | None]]:
-    """`_PRODUCERS` plus, for MoE layers, each expert's (and the shared expert's) up_proj rows → down_proj."""
-    out = dict(_PRODUCERS)
+def _producers(model: CausalLM, layer_targets) -> dict[str, tuple[str, str | None]]:
+    """The model class's `quant_producers` plus, for MoE layers, each expert's (and the shared expert's)
+    up_proj rows → its down_proj."""
+    out = dict(type(model).quant_producers)
     for rel in layer_targets:
         m = _EXPERT_DOWN.match(rel)
         if m:
@@ -264,7 +258,7 @@ class SequentialQuantizer:
         """SmoothQuant / AWQ channel scaling, folded into the producers (step 2)."""
         t0 = time.perf_counter()
         scaled = False
-        for rel, (producer, part) in _producers(layer_targets).items():
+        for rel, (producer, part) in _producers(self.model, layer_targets).items():
             t = layer_targets.get(rel)
             cap = captures.get(rel)
             if t is None or cap is None or t.scheme is None:
@@ -283,7 +277,7 @@ class SequentialQuantizer:
             lin.weight.data = scale_linear_inputs(lin.weight.data, s)
             prod = layer.get_submodule(producer)
             if part is None:
-                prod.weight.data = fold_scales_into_norm(prod.weight.data, s)
+                prod.weight.data = fold_scales_into_norm(prod.weight.data, s, getattr(prod, "weight_offset", 0.0))
             else:
                 lo, hi = output_splits(prod)[part]
                 prod.weight.data[lo:hi] = fold_scales_into_linear_rows(prod.weight.data[lo:hi], s)

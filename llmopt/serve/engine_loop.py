@@ -7,7 +7,7 @@ here, on the engine thread, because a `RequestOutput` shares lists (logprobs) th
 The engine's free capacity (sequence slots, KV blocks) travels in the same call whenever it changed, so
 admission sees it together with the events of the step that produced it, never half a step apart.
 
-Priority aging also lives here, since it rewrites the priority of queued sequences: a request's engine
+Priority aging also lives here (through `LLMEngine.set_priority`): a request's engine
 priority improves by one class per `aging_s` seconds since its arrival, which bounds starvation.
 """
 
@@ -267,14 +267,11 @@ class EngineLoop:
         self._need_step = True
 
     def _age_priorities(self) -> None:
-        """Raise queued sequences one engine class per `aging_s` waited (engine: lower = sooner)."""
+        """Raise requests one engine class per `aging_s` waited (engine: lower = sooner)."""
         assert self.engine is not None and self._aging_s is not None
         now = time.perf_counter()
-        sched = self.engine.scheduler
-        for seq in (*sched.waiting, *sched.running):
-            st = self._streams.get(seq.request_id)
-            if st is not None:
-                seq.priority = st.priority - math.floor((now - st.arrival) / self._aging_s)
+        for rid, st in self._streams.items():
+            self.engine.set_priority(rid, st.priority - math.floor((now - st.arrival) / self._aging_s))
 
     def _on_stats(self, stats: StepStats) -> None:
         self._last_batch = stats.batch_size
@@ -312,8 +309,8 @@ class EngineLoop:
         assert eng is not None
         batch = []
         for rid in list(self._unscheduled):
-            req = eng.requests.get(rid)
-            if req is None or all(seq.metrics.first_scheduled_time is not None for seq in req.seqs):
+            req = eng.get_request(rid)
+            if req is None or req.scheduled:
                 self._unscheduled.discard(rid)
                 st = self._streams.get(rid)
                 if st is not None:

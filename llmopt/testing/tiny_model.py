@@ -131,6 +131,56 @@ def write_tiny_llama(
     return out
 
 
+def write_tiny_gemma3(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 3,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 128,
+    sliding_window: int = 16,
+    layer_types: list[str] | None = None,
+    query_pre_attn_scalar: float = 24,
+    rope_scaling: dict[str, Any] | None = None,
+    final_logit_softcapping: float | None = None,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> Path:
+    """A random-weight Gemma 3 text model (`Gemma3TextConfig`, `Gemma3ForCausalLM`) that transformers and
+    llmopt both load. The defaults make every Gemma-specific knob matter: head_dim != hidden / heads, a
+    query_pre_attn_scalar that is not head_dim, sliding layers (window 16) next to a full one, and norm
+    weights away from zero (the scale is 1 + w)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    kw: dict[str, Any] = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    config = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings, sliding_window=sliding_window,
+        layer_types=layer_types or ["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+        query_pre_attn_scalar=query_pre_attn_scalar, final_logit_softcapping=final_logit_softcapping,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        architectures=["Gemma3ForCausalLM"], **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1 if "norm" in name else 0.08)
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    saved.setdefault("torch_dtype", "float32")
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    return out
+
+
 _MOE_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 

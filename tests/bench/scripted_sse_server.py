@@ -22,6 +22,7 @@ class ScriptedSSEServer:
         self.bodies: list[dict[str, Any]] = []
         self.prefix_hits = 0
         self.prefix_queries = 0
+        self.dropped = 0  # requests answered by closing the connection (models drop_once, drop_always)
         self.loop = asyncio.new_event_loop()
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
@@ -116,6 +117,10 @@ class ScriptedSSEServer:
         body = json.loads(raw)
         self.bodies.append(body)
         model = body.get("model", "tiny")
+        if model == "drop_always" or (model == "drop_once" and not self.dropped):
+            # what llama-server does to a request on a keep-alive connection it is closing: no response
+            self.dropped += 1
+            raise ConnectionResetError
         if model == "err500":
             await self._plain(writer, "500 Internal Server Error",
                               '{"error": {"message": "engine exploded"}}', "application/json")

@@ -77,13 +77,14 @@ def test_static_vs_continuous(tiny_llama, tmp_path):
     cfg = BenchOptions(model=str(tiny_llama), kv_cache_memory="16MiB", dtype="float32", device="cpu",
                        dataset=str(data), scenario="static-vs-continuous", static_batch_size=8, warmup=2,
                        json_path=str(tmp_path / "s.json"), markdown_path=str(tmp_path / "s.md"),
-                       plot_path=str(tmp_path / "s.png"), gates=["output_throughput_ratio>=1"],
+                       plot_path=str(tmp_path / "s.png"), gates=["mean_batch_size_ratio>=1.5"],
                        progress=False).build()
     outcome = run_bench(cfg, _quiet())
     static, cont = (v.report.runs[0] for v in outcome.scenario.variants)
     assert static.label == "static batches of 8" and cont.label == "concurrency 8"
     assert static.total_output_tokens == cont.total_output_tokens == 4 * 96 + 28 * 3
-    assert cont.output_throughput >= static.output_throughput
+    # which one is faster in wall time is a benchmark (docs/BENCHMARKS.md), not a test: on a loaded
+    # 2-core machine continuous batching lost 147 vs 243 tok/s once while doing a third of the steps
     assert cont.server_metrics.mean_batch_size > static.server_metrics.mean_batch_size
     assert cont.server_metrics.counters["steps"] < static.server_metrics.counters["steps"]
     assert outcome.gates[0].passed and outcome.gate_failure is None
@@ -92,7 +93,8 @@ def test_static_vs_continuous(tiny_llama, tmp_path):
     assert saved == outcome.scenario
     row = next(r for r in saved.comparison.rows if r.metric == "output tok/s")
     assert row.run == "static batches of 8 vs concurrency 8"
-    assert row.cells[0].ratio == pytest.approx(1.0) and row.cells[1].ratio >= 1.0
+    assert row.cells[0].ratio == pytest.approx(1.0)
+    assert row.cells[1].ratio == pytest.approx(cont.output_throughput / static.output_throughput)
     md = (tmp_path / "s.md").read_text()
     assert "| load | metric | static (base) | continuous |" in md and "## static" in md
     assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC

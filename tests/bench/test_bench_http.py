@@ -118,6 +118,19 @@ def test_timeout_is_a_failed_record(fake_server):
     assert rec.error_code == "timeout" and time.perf_counter() - t0 < 3
 
 
+def test_a_request_the_server_closed_the_connection_on_is_resent_once(fake_server):
+    """llama-server closes keep-alive connections the client may already have put a request on: that
+    request never reached the server, so it is resent once (not counted as a failure), but never twice."""
+    fake_server.dropped = 0
+    n = len(fake_server.bodies)
+    rec, _ = _send(fake_server.url, BenchRequest(prompt="x", max_tokens=2), model="drop_once")
+    assert rec.success, rec.error
+    assert fake_server.dropped == 1 and len(fake_server.bodies) == n + 2 and rec.output_tokens == 2
+    rec, _ = _send(fake_server.url, BenchRequest(prompt="x", max_tokens=2), model="drop_always")
+    assert not rec.success and rec.error_code == "protocol_error" and "without sending a response" in rec.error
+    assert fake_server.dropped == 3  # the first attempt and one resend
+
+
 def test_connection_refused_is_a_failed_record(closed_port):
     rec, _ = _send(f"http://127.0.0.1:{closed_port}", BenchRequest(prompt="x", max_tokens=2), model="m")
     assert not rec.success and rec.error_code == "connect_error"

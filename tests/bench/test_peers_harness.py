@@ -1,5 +1,5 @@
 """The peer-comparison harness (benchmarks/peers/run_peers.py): its pure parts, and the path from
-`llmopt bench --url` (through peers_bench.py) to its rows. Nothing here builds or starts llama.cpp or vLLM."""
+`llmopt bench --url --send-ignore-eos always` to its rows. Nothing here builds or starts llama.cpp or vLLM."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from cli_helpers import run_bench_cli
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks/peers"))
 
-import peers_bench  # noqa: E402
 import peers_plan as pp  # noqa: E402
 import peers_servers as ps  # noqa: E402
 import run_peers  # noqa: E402
@@ -271,41 +270,21 @@ def test_render_writes_table_png_and_doc(tmp_path, monkeypatch):
 # --------------------------------------------------------------- llmopt bench -> report -> rows
 
 
-def test_ignore_eos_is_forced_for_every_server(monkeypatch):
+def test_ignore_eos_is_sent_to_every_server_when_asked(monkeypatch, capsys):
     from llmopt.bench.config import BenchOptions
 
-    assert BenchOptions(url="http://x")._http().send_ignore_eos is None  # llmopt bench: only for our server
-    monkeypatch.setattr(BenchOptions, "_http", peers_bench.patched_http(BenchOptions._http))
-    assert BenchOptions(url="http://x")._http().send_ignore_eos is True
-    assert BenchOptions(url="http://x", ignore_eos=False)._http().send_ignore_eos is False
-
-
-def test_a_request_on_a_connection_the_server_closed_is_resent_once():
-    import asyncio
-
-    from llmopt.bench.records import RequestRecord
-
-    calls = []
-
-    async def send(self, req):
-        calls.append(req)
-        if len(calls) == 1 or req == "always":
-            return RequestRecord.failure(start=0.0, end=0.0, error_code="protocol_error",
-                                         error="Server disconnected without sending a response.")
-        return "ok"
-
-    wrapped = peers_bench.retrying_send(send)
-    assert asyncio.run(wrapped(None, "r")) == "ok" and len(calls) == 2
-    calls.clear()
-    assert not asyncio.run(wrapped(None, "always")).success and len(calls) == 2  # once, not forever
+    assert BenchOptions(url="http://x")._http().send_ignore_eos is None  # auto: only for our server
+    assert BenchOptions(url="http://x", send_ignore_eos="always")._http().send_ignore_eos is True
+    assert BenchOptions(url="http://x", send_ignore_eos="never")._http().send_ignore_eos is False
+    code, _, err = run_bench_cli(monkeypatch, capsys, "--send-ignore-eos", "always", "--num-prompts", "1")
+    assert code == 2 and "--send-ignore-eos apply to a server (--url)" in err
+    code, _, err = run_bench_cli(monkeypatch, capsys, "--url", "http://127.0.0.1:9", "--send-ignore-eos", "yes")
+    assert code == 2 and "send_ignore_eos" in err and len(err.strip().splitlines()) == 1
 
 
 def test_harness_jobs_through_llmopt_bench_to_rows(fake_server, tiny_llama, tmp_path, monkeypatch, capsys):
-    """The harness's own job arguments, run by the real `llmopt bench --url` CLI (as peers_bench.py runs it)
+    """The harness's own job arguments, run by the real `llmopt bench --url` CLI (as run_peers.py runs it)
     against an OpenAI-compatible server, parsed back into rows and a table."""
-    from llmopt.bench.config import BenchOptions
-
-    monkeypatch.setattr(BenchOptions, "_http", peers_bench.patched_http(BenchOptions._http))
     sizes = pp.Sizes(concurrencies=(1, 2), mixed_per_slot=1, mixed_min=2, mixed_input="4:8", mixed_output="2:4",
                      single_prompts=2, single_input=4, single_output=3, prefix_prompts=4, prefix_concurrency=2,
                      prefix_len=6, num_prefixes=2, prefix_suffix=2, prefix_output=2, warmup=1, rounds=1)
@@ -313,8 +292,8 @@ def test_harness_jobs_through_llmopt_bench_to_rows(fake_server, tiny_llama, tmp_
     rows = []
     for job in pp.jobs(sizes):
         out = tmp_path / f"{job.key}.json"
-        code, _, err = run_bench_cli(monkeypatch, capsys, "--url", fake_server.url, "--tokenizer", str(tiny_llama),
-                                     *job.args, "--json", str(out))
+        code, _, err = run_bench_cli(monkeypatch, capsys, "--url", fake_server.url, "--send-ignore-eos", "always",
+                                     "--tokenizer", str(tiny_llama), *job.args, "--json", str(out))
         assert code == 0, err
         rows += pp.load_rows(out, "llmopt-bf16", job.workload, 1)
     assert [(r.workload, r.concurrency) for r in rows] == [("mixed", 1), ("mixed", 2), ("single", 1), ("prefix", 2)]
@@ -327,7 +306,7 @@ def test_harness_jobs_through_llmopt_bench_to_rows(fake_server, tiny_llama, tmp_
 
 @pytest.mark.slow
 def test_server_class_drives_llmopt_serve(tiny_llama, tmp_path):
-    """ps.Server starts `llmopt serve` (tiny model), waits for it, peers_bench.py runs one job, Server stops it."""
+    """ps.Server starts `llmopt serve` (tiny model), waits for it, run_peers.bench runs one job, Server stops it."""
     port = ps.free_port()
     cmd = ps.llmopt_command(str(tiny_llama), port, max_seqs=2, kv_memory="16MiB", dtype="float32")
     job = pp.Job("single", 1, ("--input-len", "4", "--output-len", "3", "--num-prompts", "2", "--concurrency", "1",

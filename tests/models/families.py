@@ -33,6 +33,16 @@ def tiny_qwen3_mixed(tmp_path_factory) -> Path:
                             layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """Gemma 3 text: 3 layers (sliding window 16, 16, full), head_dim 32, query_pre_attn_scalar 24 and
+    linear RoPE scaling (x2) on the full layer, as Gemma-3-27B has."""
+    from llmopt.testing.tiny_model import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), sliding_window=WINDOW,
+                             rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
 # ---- Mixture-of-Experts (appended with the MoE families) ----------------------------------------
 from llmopt.testing.tiny_model import write_tiny_moe  # noqa: E402
 

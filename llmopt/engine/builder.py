@@ -1,0 +1,151 @@
+"""Builds an engine's parts from its config: the model, tokenizer, optional draft model and the KV pool.
+
+Everything here runs once, before the first step; `LLMEngine` only wires the parts together.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmopt.devices import resolve_device
+from llmopt.engine.block_manager import BlockManager
+from llmopt.engine.config import EngineConfig
+from llmopt.engine.model_runner import ModelRunner
+from llmopt.engine.scheduler import Scheduler
+from llmopt.engine.structured_output import StructuredOutputCompiler
+from llmopt.errors import LlmoptError
+from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.models.base import CausalLM
+from llmopt.models.loader import load_model, parse_dtype
+from llmopt.models.resolve import ResolvedModel, resolve_model, weights_dir
+from llmopt.models.spec import ModelSpec
+from llmopt.models.tokenizer import load_tokenizer
+from llmopt.quant.checkpoint import kv_cache_scales
+
+DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
+
+
+@dataclass
+class EngineParts:
+    resolved: ResolvedModel
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    model: CausalLM
+    weights_dir: Path  # the checkpoint's files (tokenizer, generation_config.json)
+    tokenizer: object
+    eos_token_ids: list[int]
+    structured_outputs: StructuredOutputCompiler
+    kv_cache: PagedKVCache
+    kv_cache_bytes: int
+    num_blocks: int
+    max_model_len: int
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    draft_runner: ModelRunner | None  # speculative method "draft": the draft model over its own pool
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    resolved = resolve_model(config.model)
+    s = resolved.spec
+    device = resolve_device(config.device)
+    dtype = compute_dtype(config.dtype, s.dtype, device)
+    model = load_model(resolved, dtype, device)
+    wdir = weights_dir(resolved)
+    tokenizer = load_tokenizer(wdir)
+    eos = eos_ids(wdir, tokenizer, s.eos_token_id)
+    # structured outputs: compiles each constraint once (thread-safe: servers compile at the edge too)
+    structured = StructuredOutputCompiler(tokenizer, s.vocab_size, eos)
+    # a checkpoint with calibrated INT8 KV scales (llmopt quantize --kv-cache int8) defaults to an int8 cache
+    kv_scales = kv_cache_scales(resolved)
+    kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    bs = config.block_size
+    per_block = PagedKVCache.bytes_per_block(s.num_layers, bs, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
+    sc = config.speculative
+    draft, draft_dtype = (None, None)
+    if sc is not None and sc.method == "draft":
+        draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
+        ds = draft.spec  # the draft's pool mirrors the target's block for block
+        per_block += PagedKVCache.bytes_per_block(ds.num_layers, bs, ds.num_kv_heads, ds.head_dim, draft_dtype)
+    num_blocks = _num_blocks(config, s, device, per_block)
+    kv_cache = PagedKVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype, device, kv_dtype)
+    if kv_scales is not None and kv_cache.quantized:
+        kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
+    limit = config.max_model_len or s.max_position_embeddings
+    max_model_len = min(limit, s.max_position_embeddings, num_blocks * bs)
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                          config.enable_chunked_prefill, config.scheduling_policy)
+    runner = ModelRunner(model, kv_cache, bs, device, not config.enforce_eager)
+    draft_runner = None
+    if draft is not None:
+        dcache = PagedKVCache(ds.num_layers, num_blocks, bs, ds.num_kv_heads, ds.head_dim, draft_dtype, device)
+        draft_runner = ModelRunner(draft, dcache, bs, device, not config.enforce_eager)
+    return EngineParts(resolved, s, device, dtype, model, wdir, tokenizer, eos, structured, kv_cache,
+                       per_block * num_blocks, num_blocks, max_model_len, block_manager, scheduler, runner,
+                       draft_runner)
+
+
+def compute_dtype(requested: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to run a model in; `auto` takes the checkpoint's, except fp16 on a CPU (emulated and
+    slow there), which runs in fp32."""
+    dtype = parse_dtype(requested, checkpoint)
+    if device.type == "cpu" and dtype == torch.float16 and requested == "auto":
+        return torch.float32
+    return dtype
+
+
+def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
+                device: torch.device) -> tuple[CausalLM, torch.dtype]:
+    """The separate draft model and the dtype it runs in; it must share the target's tokenizer."""
+    resolved = resolve_model(name)
+    if resolved.spec.vocab_size != target.vocab_size:
+        raise LlmoptError(f"draft model {name!r} has a vocabulary of {resolved.spec.vocab_size} tokens, "
+                          f"the target {target.vocab_size}: speculative decoding needs the same tokenizer")
+    dtok = load_tokenizer(weights_dir(resolved))
+    if dtok.get_vocab() != tokenizer.get_vocab():
+        raise LlmoptError(f"draft model {name!r} does not use the target's tokenizer")
+    dtype = compute_dtype(requested_dtype, resolved.spec.dtype, device)
+    return load_model(resolved, dtype, device), dtype
+
+
+def _num_blocks(c: EngineConfig, spec: ModelSpec, device: torch.device, per_block: int) -> int:
+    """KV pool size: what the config asks for, else what memory allows, capped at what max_num_seqs
+    full-length sequences can use."""
+    if c.num_kv_blocks:
+        return c.num_kv_blocks
+    if c.kv_cache_memory is not None:
+        n = c.kv_cache_memory // per_block
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        n = int(free * 0.85 - 1024**3) // per_block
+    else:
+        n = DEFAULT_CPU_KV_MEMORY // per_block
+    if c.kv_cache_memory is None:
+        max_len = min(c.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        n = min(n, c.max_num_seqs * -(-max_len // c.block_size))
+    if n < 1:
+        raise LlmoptError(f"KV cache memory is too small for one block of {c.block_size} tokens "
+                          f"({per_block} bytes)")
+    return int(n)
+
+
+def eos_ids(directory, tokenizer, spec_eos: list[int]) -> list[int]:
+    """End-of-sequence ids from the model spec, generation_config.json and the tokenizer."""
+    ids: list[int] = list(spec_eos)
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids.extend(eos if isinstance(eos, list) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))

@@ -1,0 +1,47 @@
+"""Drafts from a model: the target's first layers (`layer_skip`) or a separate draft model (`draft`).
+
+Both are greedy, k passes batched across the speculating sequences, after scheduling (the scheduler
+allocates KV slots for the drafts first).
+- `layer_skip`: the target's first layers plus its final norm and head. It shares the target's paged
+  KV pool: its K/V for those layers equal the target's, so it needs no cache of its own and no
+  catch-up (the verification pass overwrites those slots with identical values).
+- `draft`: a separate model with the same tokenizer (for example a W4A16 copy of the target), with its
+  own pool mirroring the target's block tables. `SpecState.draft_computed` records how many tokens it
+  has cached; a round first catches it up (a prefill chunk), then runs k - 1 single-token steps. Only
+  the positions the target accepts stay counted, so rejected ones are recomputed next round.
+"""
+
+from __future__ import annotations
+
+from llmopt.engine.model_runner import ModelRunner
+from llmopt.engine.sequence import Sequence
+
+
+class ModelProposer:
+    def __init__(self, runner: ModelRunner, num_layers: int | None):
+        """`num_layers`: run only that many layers of `runner`'s model (layer_skip); None: all (draft)."""
+        self.runner = runner
+        self.num_layers = num_layers
+
+    def reserve(self, seq: Sequence, k: int) -> None:
+        """Reserve k draft slots for the scheduler; `fill` writes the tokens once they are scheduled."""
+        seq.spec.tokens = [0] * k
+
+    def fill(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        own_cache = self.num_layers is None
+        for j in range(max(len(s.spec.tokens) for s in seqs)):
+            active = [s for s in seqs if len(s.spec.tokens) > j]
+            items = []
+            for s in active:
+                if j > 0:
+                    items.append((s.block_table, s.num_tokens - 1 + j, [s.spec.tokens[j - 1]]))
+                else:  # the separate draft first catches up on the tokens it has not cached
+                    start = min(s.spec.draft_computed, s.num_tokens - 1) if own_cache else s.num_tokens - 1
+                    items.append((s.block_table, start, s.token_ids[start:]))
+            for s, t in zip(active, self.runner.greedy_next(items, self.num_layers), strict=True):
+                s.spec.tokens[j] = t
+        if own_cache:
+            for s in seqs:  # positions written: the context, then drafts 1..k-1
+                s.spec.draft_computed = s.num_tokens - 1 + len(s.spec.tokens)

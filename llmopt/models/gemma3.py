@@ -1,0 +1,170 @@
+"""Gemma 3 (text): `Gemma3ForCausalLM`, model_type gemma3_text, registered in `llmopt.models.registry`.
+
+Where it differs from the llama family, all from `ModelSpec` data:
+* (1 + w) RMSNorm everywhere (`OffsetRMSNorm`), and four norms per layer: input and post-attention
+  around attention, pre- and post-feedforward around the MLP (the post norms act on the branch output,
+  before the residual add);
+* q/k norm per head, attention scale `query_pre_attn_scalar**-0.5`;
+* GELU-tanh GeGLU MLP;
+* the embedding is multiplied by sqrt(hidden), rounded to the weight dtype as transformers does;
+* sliding-window attention on the `layer_types` "sliding_attention" layers, which also use their own
+  RoPE base (`rope_local_theta`); full layers use `rope_theta` (+ linear scaling, Gemma-3-27B);
+* optional final-logit soft-capping (Gemma 3 sets none; attention soft-capping is rejected in the spec).
+
+Projections are fused (qkv, gate_up) like llama's, so the quantization and checkpoint code is shared.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmopt.layers import compiled as kernels
+from llmopt.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from llmopt.layers.attention import AttentionMetadata, PagedAttention
+from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.layers.linear import FusedLinear
+from llmopt.layers.norm import OffsetRMSNorm
+from llmopt.layers.rotary import OnTheFlyRotary, apply_rotary
+from llmopt.models.base import CausalLM
+from llmopt.models.spec import ModelSpec
+
+_ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh_and_mul, "silu": silu_and_mul}
+
+
+class Gemma3Rotary(nn.Module):
+    """RoPE for both layer types: `forward` returns ((cos, sin) of full layers, (cos, sin) of sliding
+    layers), each computed once per step; a layer picks its pair by `rope_index`."""
+
+    def __init__(self, spec: ModelSpec, device=None):
+        super().__init__()
+        self.full = OnTheFlyRotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, device=device)
+        local = spec.rope_local_theta
+        self.local = None if local is None else OnTheFlyRotary(spec.head_dim, local, None, device=device)
+
+    def forward(self, positions: torch.Tensor):
+        full = self.full(positions)
+        return full, (full if self.local is None else self.local(positions))
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.qkv_proj = FusedLinear(spec.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                       "v_proj": self.kv_size},
+                                    bias=spec.attention_bias, dtype=dtype, device=device)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
+        self.q_norm = OffsetRMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.k_norm = OffsetRMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   window=spec.attention_window(layer_idx), scale=spec.attention_scale)
+
+    def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        t = hidden.shape[0]
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        # normed q and k heads stacked, rotated in one go
+        qk = torch.cat([self.q_norm(q, compiled=meta.compiled), self.k_norm(k, compiled=meta.compiled)], dim=1)
+        qk = kernels.call(meta.compiled, apply_rotary, qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, cache, meta))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype, device):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.act = _ACTIVATIONS[spec.hidden_activation]
+        self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": spec.intermediate_size,
+                                                           "up_proj": spec.intermediate_size},
+                                        bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype,
+                                   device=device)
+
+    def forward(self, x, compiled: bool = False):
+        return self.down_proj(kernels.call(compiled, self.act, self.gate_up_proj(x), self.intermediate_size))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
+        super().__init__()
+        self.self_attn = Gemma3Attention(spec, layer_idx, dtype, device)
+        self.mlp = Gemma3MLP(spec, dtype, device)
+        eps, h = spec.rms_norm_eps, spec.hidden_size
+        self.input_layernorm = OffsetRMSNorm(h, eps, dtype, device)
+        self.post_attention_layernorm = OffsetRMSNorm(h, eps, dtype, device)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(h, eps, dtype, device)
+        self.post_feedforward_layernorm = OffsetRMSNorm(h, eps, dtype, device)
+        sliding = bool(spec.layer_types) and spec.layer_types[layer_idx] == "sliding_attention"
+        self.rope_index = 1 if sliding else 0  # which pair of `Gemma3Rotary`'s output
+
+    def forward(self, rope, hidden, residual, cache, meta):
+        """Returns (branch output, residual): the caller's next norm adds them (as llama's layers do)."""
+        fast = meta.compiled
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden, compiled=fast)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, compiled=fast)
+        hidden = self.self_attn(rope[self.rope_index], hidden, cache, meta)
+        hidden = self.post_attention_layernorm(hidden, compiled=fast)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual, compiled=fast)
+        hidden = self.post_feedforward_layernorm(self.mlp(hidden, compiled=fast), compiled=fast)
+        return hidden, residual
+
+
+class Gemma3ForCausalLM(CausalLM):
+    packed_modules_mapping = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
+        "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
+        "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),
+        "mlp.gate_proj": ("mlp.gate_up_proj", "gate_proj"),
+        "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
+    }
+    quantizable_linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    # the MLP's input comes from pre_feedforward_layernorm (post_attention_layernorm feeds the residual)
+    quant_producers = {
+        "self_attn.qkv_proj": ("input_layernorm", None),
+        "mlp.gate_up_proj": ("pre_feedforward_layernorm", None),
+        "mlp.down_proj": ("mlp.gate_up_proj", "up_proj"),
+    }
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        # sqrt(hidden) in the weight dtype (bf16 rounds sqrt(640)=25.298 to 25.25), as transformers does
+        self.embed_scale = float(torch.tensor(spec.hidden_size**0.5, device="cpu").to(dtype))
+        self.rotary = self.build_rotary(device)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
+        self.norm = OffsetRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def build_rotary(self, device) -> nn.Module:
+        return Gemma3Rotary(self.spec, device=device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]; `num_layers` runs only the
+        first layers (speculative decoding's early-exit draft)."""
+        hidden = self.embed(input_ids)
+        rope = self.rotary(positions)
+        residual = None
+        for layer in self.layers[:num_layers]:
+            hidden, residual = layer(rope, hidden, residual, cache, meta)
+        hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
