@@ -35,6 +35,9 @@ class CausalLM(nn.Module):
     # AWQ / SmoothQuant mappings: our linear (inside a layer) -> the module that produces its input and,
     # for a fused producer, the part whose rows produce it (None: a norm, whose weight takes the 1/s)
     quant_producers: ClassVar[dict[str, tuple[str, str | None]]] = {}
+    # linears (regexes over module paths inside a decoder layer) that quantization keeps in float:
+    # MoE routers, whose few weights decide which experts run
+    float_linears: ClassVar[tuple[str, ...]] = ()
 
     spec: ModelSpec
     embed_tokens: nn.Embedding

@@ -72,9 +72,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
         self.self_attn = LlamaAttention(spec, layer_idx, dtype, device)
-        self.mlp = LlamaMLP(spec, dtype, device)
+        self.mlp = self.make_mlp(spec, layer_idx, dtype, device)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+    def make_mlp(self, spec: ModelSpec, layer_idx: int, dtype, device) -> nn.Module:
+        """The layer's MLP (`mlp(x, compiled=...)`); MoE families return their sparse block here."""
+        return LlamaMLP(spec, dtype, device)
 
     def forward(self, rope, hidden, residual, cache, meta):
         """`rope` is the (cos, sin) pair for this step's positions, see `CausalLM.build_rotary`."""
@@ -103,6 +107,7 @@ class LlamaForCausalLM(CausalLM):
         "mlp.gate_up_proj": ("post_attention_layernorm", None),
         "mlp.down_proj": ("mlp.gate_up_proj", "up_proj"),
     }
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
@@ -110,7 +115,7 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         # one cos/sin table for all layers (a non-persistent buffer, not in the checkpoint)
         self.rotary = self.build_rotary(device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
         if spec.tie_word_embeddings:

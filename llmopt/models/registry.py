@@ -32,16 +32,23 @@ class ModelEntry:
     force_qkv_bias: bool = False  # the bias is part of the architecture (Qwen2 configs never say)
     qk_norm: bool = False  # RMSNorm on every q and k head before RoPE (Qwen3, Gemma 3)
     norms_per_layer: int = 2  # hidden-size norms per decoder layer (Gemma 3: pre and post, attention and MLP)
+    moe: str = ""  # Mixture-of-Experts config layout: "mixtral", "qwen2_moe" (shared expert) or "qwen3_moe"
 
 
 _LLAMA = "llmopt.models.llama:LlamaForCausalLM"
 _GEMMA3 = "llmopt.models.gemma3:Gemma3ForCausalLM"
+_MOE = "llmopt.models.moe:"
 
 REGISTRY: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "Llama 2/3, SmolLM2"),
     ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "Mistral, sliding window"),
     ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2/2.5", qkv_bias=True, force_qkv_bias=True),
     ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3 dense", qk_norm=True),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", _MOE + "QwenMoeForCausalLM", "Qwen3-MoE", qk_norm=True,
+               moe="qwen3_moe"),
+    ModelEntry("MixtralForCausalLM", "mixtral", _MOE + "MixtralForCausalLM", "Mixtral", moe="mixtral"),
+    ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE + "QwenMoeForCausalLM", "Qwen1.5/2-MoE, shared expert",
+               qkv_bias=True, moe="qwen2_moe"),
     ModelEntry("Gemma3ForCausalLM", "gemma3_text", _GEMMA3, "Gemma 3 text", qk_norm=True, norms_per_layer=4),
 )
 BY_ARCHITECTURE = {e.architecture: e for e in REGISTRY}

@@ -34,6 +34,15 @@ class ModelSpec(BaseModel):
     # `sliding_window` positions, itself included); empty = every layer full
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # Mixture-of-Experts (num_experts == 0: dense). `moe_layers` lists the decoder layers whose MLP is
+    # the sparse block (Qwen's `mlp_only_layers` / `decoder_sparse_step` applied); the others keep a
+    # dense MLP of `intermediate_size`. A shared expert (Qwen2-MoE) runs on every token behind a sigmoid gate.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # of the full-attention layers
     rope_local_theta: float | None = None  # RoPE base of the sliding layers when it differs (Gemma 3)
@@ -90,8 +99,9 @@ class ModelSpec(BaseModel):
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
-        attention_bias = entry.force_qkv_bias or bool(cfg.get("attention_bias", entry.qkv_bias))
+        attention_bias = entry.force_qkv_bias or bool(cfg.get("attention_bias", cfg.get("qkv_bias", entry.qkv_bias)))
         layer_types, window = _attention_layout(cfg, model_type, layers)
+        moe = _moe_layout(cfg, entry.moe, layers, inter)
         if cfg.get("attn_logit_softcapping") is not None:
             raise LlmoptError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
                               "(Gemma 2 style attention soft-capping)")
@@ -117,6 +127,7 @@ class ModelSpec(BaseModel):
             qk_norm=entry.qk_norm,
             layer_types=layer_types,
             sliding_window=window,
+            **moe,
             rope_theta=theta,
             rope_scaling=scaling,
             rope_local_theta=local_theta,
@@ -136,6 +147,13 @@ class ModelSpec(BaseModel):
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
     def attention_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full causal attention)."""
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
@@ -150,30 +168,55 @@ class ModelSpec(BaseModel):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of every per-layer Linear, in Hugging Face naming."""
+    def linear_shapes(self, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of every quantizable Linear of decoder layer `layer`, in our
+        unfused naming (the llama names; experts as `mlp.experts.N.*`). A sparse layer's router
+        (`mlp.gate`) and shared-expert gate are not here: they stay float, see `layer_router_params`."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
+        shapes = {
             "self_attn.q_proj": (self.q_size, h),
             "self_attn.k_proj": (self.kv_size, h),
             "self_attn.v_proj": (self.kv_size, h),
             "self_attn.o_proj": (h, self.q_size),
-            "mlp.gate_proj": (i, h),
-            "mlp.up_proj": (i, h),
-            "mlp.down_proj": (h, i),
         }
+        if not self.is_moe_layer(layer):
+            shapes.update({"mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)})
+            return shapes
+        mlps = [(f"mlp.experts.{e}", self.moe_intermediate_size) for e in range(self.num_experts)]
+        if self.shared_expert_intermediate_size:
+            mlps.append(("mlp.shared_expert", self.shared_expert_intermediate_size))
+        for prefix, m in mlps:
+            shapes.update({f"{prefix}.gate_proj": (m, h), f"{prefix}.up_proj": (m, h), f"{prefix}.down_proj": (h, m)})
+        return shapes
 
-    def layer_linear_params(self) -> int:
-        return sum(o * i for o, i in self.linear_shapes().values())
+    def layer_linear_params(self, layer: int = 0) -> int:
+        return sum(o * i for o, i in self.linear_shapes(layer).values())
 
-    def layer_other_params(self) -> int:
-        """Norm weights (q/k norms too) and q/k/v biases of one decoder layer."""
+    def layer_router_params(self, layer: int = 0) -> int:
+        """The router (experts x hidden) and the shared-expert gate (1 x hidden) of a sparse layer."""
+        if not self.is_moe_layer(layer):
+            return 0
+        return self.hidden_size * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))
+
+    def layer_other_params(self, layer: int = 0) -> int:
+        """Norm weights (q/k norms too), q/k/v biases and MoE routers of one decoder layer."""
         bias = (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
-        return self.layer_norm_params() + bias
+        return self.layer_norm_params() + bias + self.layer_router_params(layer)
 
     def layer_norm_params(self) -> int:
         """Norm weights of one decoder layer: the hidden-size norms and the per-head q/k norms."""
         return self.norms_per_layer * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+
+    def layer_params(self, layer: int) -> int:
+        return self.layer_linear_params(layer) + self.layer_other_params(layer)
+
+    def layer_active_params(self, layer: int) -> int:
+        """Parameters one token reads in `layer`: all but the experts it is not routed to."""
+        full = self.layer_params(layer)
+        if not self.is_moe_layer(layer):
+            return full
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return full - (self.num_experts - self.num_experts_per_tok) * per_expert
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -183,12 +226,58 @@ class ModelSpec(BaseModel):
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     def num_params(self) -> int:
-        """Exact parameter count (tied embeddings counted once)."""
-        per_layer = self.layer_linear_params() + self.layer_other_params()
-        return self.embedding_params() + self.lm_head_params() + self.num_layers * per_layer + self.hidden_size
+        """Exact parameter count (tied embeddings counted once; every expert counted)."""
+        layers = self._sum_layers(self.layer_params)
+        return self.embedding_params() + self.lm_head_params() + layers + self.hidden_size
+
+    def active_params(self) -> int:
+        """Parameters one token's forward reads (MoE: only its top-k experts; = num_params when dense)."""
+        layers = self._sum_layers(self.layer_active_params)
+        return self.embedding_params() + self.lm_head_params() + layers + self.hidden_size
+
+    def _sum_layers(self, per_layer) -> int:
+        """Sum of `per_layer(i)` over the layers, computed once per distinct layer kind (dense / sparse)."""
+        sparse = len(self.moe_layers)
+        total = (self.num_layers - sparse) * per_layer(self._first_dense()) if sparse < self.num_layers else 0
+        return total + (sparse * per_layer(self.moe_layers[0]) if sparse else 0)
+
+    def _first_dense(self) -> int:
+        return next(i for i in range(self.num_layers) if not self.is_moe_layer(i))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+# transformers' config defaults, for keys a config leaves out (experts, expert width, top-k, shared width)
+_MOE_DEFAULTS = {"mixtral": (8, None, 2, 0), "qwen3_moe": (128, 768, 8, 0), "qwen2_moe": (60, 1408, 4, 5632)}
+
+
+def _moe_layout(cfg: dict[str, Any], moe: str, num_layers: int, intermediate: int) -> dict[str, Any]:
+    """The MoE fields of `ModelSpec` as transformers applies the config: Mixtral (`num_local_experts`,
+    experts of `intermediate_size`, top-k always renormalized, every layer sparse); Qwen2/3-MoE
+    (`num_experts` of `moe_intermediate_size`, `norm_topk_prob`, a layer is sparse unless it is in
+    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`)."""
+    if not moe:
+        return {}
+    d_experts, d_inter, d_top_k, d_shared = _MOE_DEFAULTS[moe]
+    # hub configs say num_experts; transformers 5's save_pretrained writes num_local_experts
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or d_experts)
+    top_k = int(cfg.get("num_experts_per_tok") or d_top_k)
+    if moe == "mixtral":
+        expert_inter, norm, sparse = intermediate, True, list(range(num_layers))
+    else:
+        expert_inter = int(cfg.get("moe_intermediate_size") or d_inter)
+        norm = bool(cfg.get("norm_topk_prob", False))
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only_dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        sparse = [i for i in range(num_layers) if i not in only_dense and (i + 1) % step == 0]
+    if not 1 <= top_k <= experts:
+        raise LlmoptError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
+    shared = int(cfg.get("shared_expert_intermediate_size", d_shared) or 0)
+    if not sparse:
+        return {}
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": expert_inter,
+            "shared_expert_intermediate_size": shared, "norm_topk_prob": norm, "moe_layers": tuple(sparse)}
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -208,8 +297,13 @@ def _attention_layout(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
     window = cfg.get("sliding_window", 4096 if model_type == "gemma3_text" else None)  # transformers' default
     types = cfg.get("layer_types")
     if types is None:
-        if model_type == "mistral" and window:
+        if model_type in ("mistral", "mixtral") and window:
             types = ["sliding_attention"] * num_layers
+        elif model_type == "qwen3_moe" and cfg.get("use_sliding_window") and window:
+            types = ["sliding_attention"] * num_layers  # Qwen3MoeAttention windows every layer
+        elif model_type == "qwen2_moe" and cfg.get("use_sliding_window") and window:
+            first = int(cfg.get("max_window_layers", 28))
+            types = ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)]
         elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
             first = int(cfg.get("max_window_layers", 0))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]

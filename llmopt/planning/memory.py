@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -226,6 +226,9 @@ class MemoryModel:
     spec: ModelSpec
     dtypes: ResolvedDtypes
     opts: VramPlanOptions
+    # per (tp, sparse layer?, ep): one layer's bytes (MoE layers have hundreds of expert Linears)
+    _layer_cache: dict[tuple[int, bool, int], int] = field(default_factory=dict, init=False, repr=False,
+                                                          compare=False)
 
     @property
     def compute_bytes(self) -> int:
@@ -241,33 +244,68 @@ class MemoryModel:
         """TP splits KV heads; past num_kv_heads they are replicated, so every GPU keeps >= 1."""
         return max(1, self.spec.num_kv_heads // tp)
 
-    def layer_linear_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
-        """(out, in) of each Linear shard: column-parallel split `out`, row-parallel split `in`."""
+    def layer_linear_shapes(self, tp: int = 1, layer: int = 0, ep: int = 1) -> dict[str, tuple[int, int]]:
+        """(out, in) of each Linear shard of decoder layer `layer`: column-parallel split `out`,
+        row-parallel split `in`. A sparse (MoE) layer's experts are TP-sharded along their
+        intermediate size like the dense MLP (vLLM's default); under expert parallelism (`ep` > 1, vLLM
+        `--enable-expert-parallel`) each GPU instead holds ceil(experts / ep) whole experts."""
         s = self.spec
         q, kv, inter = s.q_size // tp, self.kv_heads_per_gpu(tp) * s.head_dim, s.intermediate_size // tp
         h = s.hidden_size
-        return {
+        shapes = {
             "self_attn.q_proj": (q, h),
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q),
-            "mlp.gate_proj": (inter, h),
-            "mlp.up_proj": (inter, h),
-            "mlp.down_proj": (h, inter),
         }
+        mlps: list[tuple[str, int]] = []
+        if not s.is_moe_layer(layer):
+            mlps.append(("mlp", inter))
+        else:
+            experts = -(-s.num_experts // ep) if ep > 1 else s.num_experts
+            width = s.moe_intermediate_size if ep > 1 else s.moe_intermediate_size // tp
+            mlps += [(f"mlp.experts.{e}", width) for e in range(experts)]
+            if s.shared_expert_intermediate_size:
+                mlps.append(("mlp.shared_expert", s.shared_expert_intermediate_size // tp))
+        for prefix, m in mlps:
+            shapes.update({f"{prefix}.gate_proj": (m, h), f"{prefix}.up_proj": (m, h), f"{prefix}.down_proj": (h, m)})
+        return shapes
 
-    def layer_weight_bytes(self, tp: int = 1) -> int:
-        """One decoder layer's shard: quantizable Linears plus 16-bit norms (replicated) and biases."""
-        linear = sum(
-            linear_weight_bytes(o, i, self.dtypes.weight, self.dtypes.group_size)
-            for o, i in self.layer_linear_shapes(tp).values()
-        )
+    def layer_weight_bytes(self, tp: int = 1, layer: int = 0, ep: int = 1) -> int:
+        """One decoder layer's shard: quantizable Linears plus 16-bit norms (replicated), biases and
+        (MoE) the router and shared-expert gate, which stay 16-bit and are replicated."""
+        key = (tp, self.spec.is_moe_layer(layer), ep)
+        if key not in self._layer_cache:
+            shapes = self.layer_linear_shapes(tp, layer, ep)
+            if key[1]:  # all experts have one shape: count one and multiply
+                one = {k: v for k, v in shapes.items() if not k.startswith("mlp.experts.") or
+                       k.startswith("mlp.experts.0.")}
+                n_experts = sum(1 for k in shapes if k.startswith("mlp.experts.") and k.endswith(".down_proj"))
+            else:
+                one, n_experts = shapes, 1
+            linear = 0
+            for name, (o, i) in one.items():
+                b = linear_weight_bytes(o, i, self.dtypes.weight, self.dtypes.group_size)
+                linear += b * (n_experts if name.startswith("mlp.experts.") else 1)
+            s = self.spec
+            bias = (s.q_size // tp + 2 * self.kv_heads_per_gpu(tp) * s.head_dim) if s.attention_bias else 0
+            other = s.layer_norm_params() + bias + s.layer_router_params(layer)
+            self._layer_cache[key] = linear + other * self.unquantized_bytes
+        return self._layer_cache[key]
+
+    def decoder_layer_bytes(self, tp: int = 1, layers: int | None = None, ep: int = 1) -> int:
+        """`layers` decoder layers' shards (all of them by default). For a slice (a pipeline stage) of a
+        model whose layers differ (Qwen's mlp_only_layers) it is the slice's share of the total, rounded up."""
         s = self.spec
-        bias = (s.q_size // tp + 2 * self.kv_heads_per_gpu(tp) * s.head_dim) if s.attention_bias else 0
-        return linear + (s.layer_norm_params() + bias) * self.unquantized_bytes
+        sparse = len(s.moe_layers)
+        dense_bytes = self.layer_weight_bytes(tp, s._first_dense(), ep) if sparse < s.num_layers else 0
+        sparse_bytes = self.layer_weight_bytes(tp, s.moe_layers[0], ep) if sparse else 0
+        total = (s.num_layers - sparse) * dense_bytes + sparse * sparse_bytes
+        n = s.num_layers if layers is None else layers
+        return total if n == s.num_layers else -(-total * n // s.num_layers)
 
     def weights(
-        self, tp: int = 1, layers: int | None = None, embedding: bool = True, lm_head: bool = True
+        self, tp: int = 1, layers: int | None = None, embedding: bool = True, lm_head: bool = True, ep: int = 1
     ) -> WeightBytes:
         """Weights on one GPU. Embedding and lm_head are vocab-parallel under TP (split `tp` ways).
 
@@ -282,7 +320,7 @@ class MemoryModel:
         return WeightBytes(
             embedding=rows * s.hidden_size * b if embedding else 0,
             lm_head=head_rows * s.hidden_size * b,
-            decoder_layers=n_layers * self.layer_weight_bytes(tp),
+            decoder_layers=self.decoder_layer_bytes(tp, n_layers, ep),
             final_norm=s.hidden_size * b if lm_head else 0,
         )
 
@@ -303,6 +341,10 @@ class MemoryModel:
         q = s.q_size // tp
         attn_width = q + 2 * self.kv_heads_per_gpu(tp) * s.head_dim + q  # fused QKV out + attention out
         mlp_width = 3 * (s.intermediate_size // tp)  # fused gate_up out (2I) + act(gate) * up (I)
+        if s.is_moe:  # per token: router logits, k gathered rows (hidden) + their expert's 3 x I', shared expert
+            routed = s.num_experts_per_tok * (s.hidden_size + 3 * (s.moe_intermediate_size // tp))
+            routed += s.num_experts + 3 * (s.shared_expert_intermediate_size // tp)
+            mlp_width = max(routed, mlp_width if len(s.moe_layers) < s.num_layers else 0)
         layer_peak = tokens * a * (2 * s.hidden_size + max(attn_width, mlp_width))  # + residual, hidden
         logit_bytes = batch * s.vocab_size * (a + 4 * LOGITS_FP32_COPIES) if logits else 0
         return ActivationBytes(prefill_chunk_tokens=tokens, layer_peak=layer_peak, logits=logit_bytes)
@@ -325,9 +367,11 @@ class MemoryModel:
         embedding: bool = True,
         lm_head: bool = True,
         multi_gpu: bool = False,
+        ep: int = 1,
     ) -> GpuBytes:
-        """Everything one GPU holds while `batch` sequences of `seq_len` tokens are resident."""
-        w = self.weights(tp, layers, embedding, lm_head)
+        """Everything one GPU holds while `batch` sequences of `seq_len` tokens are resident (`ep`:
+        experts split over that many GPUs, see `layer_linear_shapes`)."""
+        w = self.weights(tp, layers, embedding, lm_head, ep)
         kv = self.kv_bytes_per_token(tp, layers) * seq_len * batch
         act = self.activation(seq_len, batch, tp, logits=lm_head)
         return GpuBytes(weights=w, kv=kv, activation=act, reserve=self.reserve(w.total + kv + act.total, multi_gpu))

@@ -10,6 +10,10 @@ a slice of layers (a pipeline stage), so both plans always agree. The rules foll
 * PP splits layers evenly; the remainder goes to the stages before the last one (the last stage
   also holds the final norm and lm_head), as vLLM's `get_pp_indices` does.
 * DP replicates the smallest TP x PP layout that fits; each replica keeps its own KV cache.
+* MoE models: TP shards every expert along its (small) intermediate size. Expert parallelism (EP, vLLM
+  `--tensor-parallel-size N --enable-expert-parallel`) instead gives each of the N GPUs experts / N
+  whole experts, while attention stays TP-sharded; it needs the expert count divisible by N, keeps
+  each expert matmul full-width and needs no group-size divisibility of the expert shards.
 """
 
 from __future__ import annotations
@@ -34,12 +38,42 @@ def tp_problem(spec: ModelSpec, tp: int, group_size: int | None = None) -> str |
     kv = spec.num_kv_heads
     if kv % tp and tp % kv:
         return f"num_key_value_heads={kv} can be neither split nor replicated evenly over {tp} GPUs"
-    if spec.intermediate_size % tp:
-        return f"intermediate_size={spec.intermediate_size} is not divisible by {tp}"
+    mlps = [("down_proj", "intermediate_size", spec.intermediate_size)] if len(spec.moe_layers) < spec.num_layers else []
+    if spec.is_moe:
+        mlps.append(("expert down_proj", "moe_intermediate_size", spec.moe_intermediate_size))
+        if spec.shared_expert_intermediate_size:
+            mlps.append(("shared expert down_proj", "shared_expert_intermediate_size",
+                         spec.shared_expert_intermediate_size))
+    for _, key, size in mlps:
+        if size % tp:
+            return f"{key}={size} is not divisible by {tp}"
     if group_size is not None and group_size > 0:
-        for name, size in (("o_proj", spec.q_size // tp), ("down_proj", spec.intermediate_size // tp)):
-            if size % group_size:
-                return f"the {name} input shard ({size}) is not a multiple of group size {group_size}"
+        for name, size in (("o_proj", spec.q_size), *((n, v) for n, _, v in mlps)):
+            if (size // tp) % group_size:
+                return f"the {name} input shard ({size // tp}) is not a multiple of group size {group_size}"
+    return None
+
+
+def ep_problem(spec: ModelSpec, ep: int, group_size: int | None = None) -> str | None:
+    """Why expert parallelism over `ep` GPUs (attention TP=`ep`, whole experts split `ep` ways) is
+    impossible, or None. Only MoE models have it."""
+    if not spec.is_moe:
+        return "the model has no experts"
+    if spec.num_experts % ep:
+        return f"{spec.num_experts} experts do not split evenly over {ep} GPUs"
+    if spec.num_heads % ep:
+        return f"num_attention_heads={spec.num_heads} is not divisible by {ep}"
+    kv = spec.num_kv_heads
+    if kv % ep and ep % kv:
+        return f"num_key_value_heads={kv} can be neither split nor replicated evenly over {ep} GPUs"
+    if group_size is not None and group_size > 0 and (spec.q_size // ep) % group_size:
+        return f"the o_proj input shard ({spec.q_size // ep}) is not a multiple of group size {group_size}"
+    dense = [("intermediate_size", spec.intermediate_size)] if len(spec.moe_layers) < spec.num_layers else []
+    if spec.shared_expert_intermediate_size:
+        dense.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
+    for key, size in dense:  # dense MLPs stay TP-sharded
+        if size % ep or (group_size is not None and group_size > 0 and (size // ep) % group_size):
+            return f"{key}={size} does not shard over {ep} GPUs"
     return None
 
 
@@ -81,6 +115,7 @@ class LayoutPlan:
     stages: tuple[StagePlan, ...]
     fits: bool
     max_concurrent_sequences: int
+    ep: int = 1  # > 1: experts split whole over the tp GPUs (expert parallelism)
 
     @property
     def gpus(self) -> int:
@@ -92,6 +127,8 @@ class LayoutPlan:
 
     @property
     def name(self) -> str:
+        if self.ep > 1:
+            return f"EP={self.ep}"  # attention runs TP=ep
         parts = ([f"TP={self.tp}"] if self.tp > 1 or self.pp == 1 else []) + ([f"PP={self.pp}"] if self.pp > 1 else [])
         return " × ".join(parts)
 
@@ -100,6 +137,7 @@ class LayoutPlan:
         out: dict[str, Any] = {
             "tp": self.tp,
             "pp": self.pp,
+            "ep": self.ep,
             "gpus": self.gpus,
             "kv_heads_per_gpu": self.kv_heads_per_gpu,
             "kv_heads_replicated": self.kv_heads_replicated,
@@ -118,7 +156,7 @@ class LayoutPlan:
         return out
 
 
-def plan_layout(model: MemoryModel, tp: int, pp: int) -> LayoutPlan:
+def plan_layout(model: MemoryModel, tp: int, pp: int, ep: int = 1) -> LayoutPlan:
     """Per-GPU memory of every stage at the requested load, and the most sequences that fit."""
     opts = model.opts
     counts = pipeline_partition(model.spec.num_layers, pp)
@@ -133,7 +171,7 @@ def plan_layout(model: MemoryModel, tp: int, pp: int) -> LayoutPlan:
             key = (n, i == 0, i == pp - 1)
             if key not in cache:
                 cache[key] = model.gpu(opts.seq_len, batch, tp=tp, layers=n, embedding=key[1],
-                                       lm_head=key[2], multi_gpu=multi)
+                                       lm_head=key[2], multi_gpu=multi, ep=ep)
             out.append(cache[key])
         return out
 
@@ -149,6 +187,7 @@ def plan_layout(model: MemoryModel, tp: int, pp: int) -> LayoutPlan:
         stages=stages,
         fits=all(s.gpu.total <= opts.gpu_memory_bytes for s in stages),
         max_concurrent_sequences=largest_fitting(fits),
+        ep=ep,
     )
 
 
@@ -159,6 +198,19 @@ def smallest_fitting_tp(model: MemoryModel, gpu_memory_bytes: int) -> tuple[int,
         total = model.gpu(opts.seq_len, opts.batch, tp=tp, multi_gpu=True).total
         if total <= gpu_memory_bytes:
             return tp, total
+    return None
+
+
+def smallest_fitting_ep(model: MemoryModel, gpu_memory_bytes: int) -> tuple[int, int] | None:
+    """MoE: the smallest valid expert-parallel degree > 1 whose per-GPU total fits (None if none)."""
+    spec, opts = model.spec, model.opts
+    if not spec.is_moe:
+        return None
+    for ep in range(2, spec.num_experts + 1):
+        if ep_problem(spec, ep, model.dtypes.group_size) is None:
+            total = model.gpu(opts.seq_len, opts.batch, tp=ep, multi_gpu=True, ep=ep).total
+            if total <= gpu_memory_bytes:
+                return ep, total
     return None
 
 
@@ -175,6 +227,8 @@ class ParallelPlan:
     min_pp_that_fits: int | None
     replica: LayoutPlan | None
     advice: tuple[str, ...]
+    expert_parallel: tuple[LayoutPlan, ...] = ()  # MoE only: EP at each valid degree up to num_gpus
+    invalid_ep_degrees: dict[int, str] | None = None
 
     @property
     def replicas(self) -> int:
@@ -209,6 +263,8 @@ class ParallelPlan:
             "pipeline_parallel": self.pipeline_parallel.to_json(),
             "min_pp_that_fits": self.min_pp_that_fits,
             "data_parallel": self.data_parallel_json(),
+            "expert_parallel": [e.to_json() for e in self.expert_parallel],
+            "invalid_ep_degrees": {str(k): v for k, v in (self.invalid_ep_degrees or {}).items()},
             "advice": list(self.advice),
         }
 
@@ -220,7 +276,7 @@ class ParallelPlan:
                       title_justify="left")
         for col in ("layout", "KV heads", "weights", "KV cache", "total", "fits", "max seqs"):
             table.add_column(col, justify="left" if col == "layout" else "right")
-        for lay in (*self.tensor_parallel, self.pipeline_parallel):
+        for lay in (*self.tensor_parallel, self.pipeline_parallel, *self.expert_parallel):
             g = lay.largest_stage.gpu
             kv = f"{lay.kv_heads_per_gpu}" + (" (rep.)" if lay.kv_heads_replicated else "")
             table.add_row(lay.name, kv, format_bytes(g.weights.total), format_bytes(g.kv), format_bytes(g.total),
@@ -263,6 +319,11 @@ def plan_parallel(model: MemoryModel, num_gpus: int) -> ParallelPlan:
         if replica is not None:
             break
 
+    ep_invalid: dict[int, str] = {}
+    expert: tuple[LayoutPlan, ...] = ()
+    if spec.is_moe:
+        ep_invalid = {e: p for e in range(2, num_gpus + 1) if (p := ep_problem(spec, e, group)) is not None}
+        expert = tuple(plan_layout(model, e, 1, ep=e) for e in range(2, num_gpus + 1) if e not in ep_invalid)
     return ParallelPlan(
         num_gpus=num_gpus,
         valid_tp_degrees=tuple(valid),
@@ -272,8 +333,34 @@ def plan_parallel(model: MemoryModel, num_gpus: int) -> ParallelPlan:
         pipeline_parallel=pipeline,
         min_pp_that_fits=min_pp,
         replica=replica,
-        advice=tuple(_advice(model, num_gpus, valid, invalid, min_tp, replica)),
+        advice=tuple(_advice(model, num_gpus, valid, invalid, min_tp, replica)
+                     + _expert_advice(model, tensor, expert, ep_invalid)),
+        expert_parallel=expert,
+        invalid_ep_degrees=ep_invalid,
     )
+
+
+def _expert_advice(model: MemoryModel, tensor: tuple[LayoutPlan, ...], expert: tuple[LayoutPlan, ...],
+                   invalid: dict[int, str]) -> list[str]:
+    """MoE: how expert parallelism compares with TP at the same GPU count, and when it is the only way."""
+    spec = model.spec
+    if not spec.is_moe:
+        return []
+    lines = []
+    by_tp = {t.tp: t for t in tensor}
+    for e in expert:
+        w = e.largest_stage.gpu.weights.total
+        tp = by_tp.get(e.ep)
+        vs = (f"vs {format_bytes(tp.largest_stage.gpu.weights.total)} at TP={e.ep}" if tp is not None
+              else f"TP={e.ep} is not possible here")
+        lines.append(f"EP={e.ep}: {spec.num_experts // e.ep} whole experts per GPU, weights {format_bytes(w)} per GPU "
+                     f"({vs}); each expert's matmul keeps its full width {spec.moe_intermediate_size} "
+                     f"instead of {spec.moe_intermediate_size // e.ep} (vLLM: --tensor-parallel-size {e.ep} "
+                     "--enable-expert-parallel); routing becomes an all-to-all per MoE layer")
+    if not expert:
+        first = next(iter(invalid.items()), None)
+        lines.append("expert parallelism is not possible here" + (f" (EP={first[0]}: {first[1]})" if first else ""))
+    return lines
 
 
 def _advice(

@@ -30,7 +30,7 @@ from llmopt.planning.memory import (
     VramPlanOptions,
     largest_fitting,
 )
-from llmopt.planning.parallel import ParallelPlan, plan_parallel, smallest_fitting_tp
+from llmopt.planning.parallel import ParallelPlan, plan_parallel, smallest_fitting_ep, smallest_fitting_tp
 from llmopt.units import format_bytes
 
 if TYPE_CHECKING:
@@ -69,7 +69,14 @@ def resolve_dtypes(spec: ModelSpec, opts: VramPlanOptions) -> ResolvedDtypes:
 
 def quantized_in_features(spec: ModelSpec) -> dict[str, int]:
     """Input sizes of the quantized Linears: groups run along the input dimension."""
-    return {"hidden": spec.hidden_size, "attention": spec.q_size, "intermediate": spec.intermediate_size}
+    sizes = {"hidden": spec.hidden_size, "attention": spec.q_size}
+    if len(spec.moe_layers) < spec.num_layers:  # some layer has the dense MLP
+        sizes["intermediate"] = spec.intermediate_size
+    if spec.is_moe:
+        sizes["expert intermediate"] = spec.moe_intermediate_size
+        if spec.shared_expert_intermediate_size:
+            sizes["shared expert intermediate"] = spec.shared_expert_intermediate_size
+    return sizes
 
 
 def valid_group_sizes(spec: ModelSpec) -> list[int]:
@@ -130,6 +137,7 @@ class VramPlan:
     opts: VramPlanOptions
     dtypes: ResolvedDtypes
     params: int
+    active_params: int  # read per token: MoE counts only the routed top-k experts (= params when dense)
     gpu: GpuBytes
     kv_bytes_per_token: int
     fits: bool
@@ -157,6 +165,13 @@ class VramPlan:
         return {
             "model": self.model,
             "params": self.params,
+            "active_params_per_token": self.active_params,
+            "moe": None if not self.spec.is_moe else {
+                "num_experts": self.spec.num_experts, "experts_per_token": self.spec.num_experts_per_tok,
+                "sparse_layers": len(self.spec.moe_layers),
+                "shared_expert": bool(self.spec.shared_expert_intermediate_size)},
+            "weights_fraction_of_weights_plus_kv": self.gpu.weights.total / max(1, self.gpu.weights.total
+                                                                              + self.kv_bytes_total),
             "weight_dtype": self.dtypes.weight,
             "group_size": self.dtypes.group_size,
             "kv_dtype": self.dtypes.kv,
@@ -214,6 +229,7 @@ def plan_vram(spec: ModelSpec, opts: VramPlanOptions, model_name: str = "") -> V
         opts=opts,
         dtypes=model.dtypes,
         params=spec.num_params(),
+        active_params=spec.active_params(),
         gpu=gpu,
         kv_bytes_per_token=model.kv_bytes_per_token(),
         fits=gpu.total <= gpu_mem,
@@ -223,11 +239,13 @@ def plan_vram(spec: ModelSpec, opts: VramPlanOptions, model_name: str = "") -> V
         warnings=warnings,
     )
     tp_fit = None if plan.fits else smallest_fitting_tp(model, gpu_mem)
-    return replace(plan, recommendations=recommend(plan, model, tp_fit))
+    ep_fit = None if plan.fits else smallest_fitting_ep(model, gpu_mem)
+    return replace(plan, recommendations=recommend(plan, model, tp_fit, ep_fit))
 
 
 def recommend(
-    plan: VramPlan, model: MemoryModel, tp_fit: tuple[int, int] | None = None
+    plan: VramPlan, model: MemoryModel, tp_fit: tuple[int, int] | None = None,
+    ep_fit: tuple[int, int] | None = None,
 ) -> list[Recommendation]:
     """The OOM checklist, in order: 16-bit weights, int8 then int4 weights (when weights dominate),
     an 8-bit KV cache, a max-length cap, a concurrency cap, then tensor parallelism.
@@ -299,6 +317,14 @@ def recommend(
             f"--tensor-parallel-size {tp}); the saving is per GPU",
             per_gpu,
         )
+    if not plan.fits and ep_fit is not None:
+        ep, per_gpu = ep_fit
+        add(
+            "expert_parallel",
+            f"split the experts over {ep} GPUs with expert parallelism, attention TP={ep} (vLLM "
+            f"--tensor-parallel-size {ep} --enable-expert-parallel); the saving is per GPU",
+            per_gpu,
+        )
     return recs
 
 
@@ -339,6 +365,16 @@ def render_vram_plan(plan: VramPlan, console: Console) -> None:
     table.add_row("[bold]total[/]", f"[bold]{format_bytes(plan.total_bytes)}[/]",
                   f"{100 * plan.total_bytes / o.gpu_memory_bytes:.0f}% of the GPU")
     console.print(table)
+    if plan.spec.is_moe:
+        s = plan.spec
+        console.print(f"MoE: {s.num_experts} experts, {s.num_experts_per_tok} per token"
+                      f"{' + a shared expert' if s.shared_expert_intermediate_size else ''} on "
+                      f"{len(s.moe_layers)}/{s.num_layers} layers · params total {plan.params:,}, active per "
+                      f"token {plan.active_params:,} ({100 * plan.active_params / plan.params:.0f}%): every expert "
+                      "stays resident, decode reads only the active ones")
+    wkv = g.weights.total + plan.kv_bytes_total
+    console.print(f"weights {format_bytes(g.weights.total)} ({100 * g.weights.total / max(1, wkv):.0f}%) vs KV cache "
+                  f"{format_bytes(plan.kv_bytes_total)} ({100 * plan.kv_bytes_total / max(1, wkv):.0f}%)")
 
     free = o.gpu_memory_bytes - plan.total_bytes
     if plan.fits:

@@ -112,14 +112,21 @@ def combine(cells: list[Cell]) -> Cell:
     return Cell(True, "; ".join(dict.fromkeys(c.how for c in cells)), all(c.measured for c in cells))
 
 
-def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: bool = False) -> dict[str, Any]:
-    """The report's `deployment` entry for a checkpoint holding `schemes` in format `fmt`."""
+MOE_NOTE = ("Mixture-of-Experts: the table was measured on dense llama-family models. transformers 5 loads "
+            "the compressed-tensors MoE export into fused fp16 expert tensors (same weights; logits within "
+            "5e-3 of llmopt on the tiny test models, tests/models/test_moe_quant.py); vLLM's MoE kernels on "
+            "these checkpoints were not measured")
+
+
+def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: bool = False, moe: bool = False) -> dict[str, Any]:
+    """The report's `deployment` entry for a checkpoint holding `schemes` in format `fmt` (`moe`: the
+    model has experts, whose deployment was not measured like the dense rows)."""
     keys = list(dict.fromkeys(row_key(s, fmt) for s in schemes))
     rows = [TABLE[k] for k in keys]
     out: dict[str, Any] = {"schemes": keys}
     for tool in TOOLS:
         out[tool] = combine([r.cell(tool) for r in rows]).to_json()
-    out["notes"] = [KV_NOTE] if kv_cache else []
+    out["notes"] = ([KV_NOTE] if kv_cache else []) + ([MOE_NOTE] if moe else [])
     return out
 
 

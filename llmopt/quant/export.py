@@ -105,7 +105,8 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float) -> dict[st
         raise LlmoptError("the gptq format has one bits/group_size for the whole model; use --format "
                           "compressed-tensors for mixed schemes")
     scheme = schemes.pop()
-    skipped = [hf for t in targets if t.scheme is None and t.module != "lm_head" for hf in t.parts]
+    skipped = [hf for t in targets if t.scheme is None and t.module != "lm_head" and not t.kept_float
+               for hf in t.parts]
     if skipped:
         raise LlmoptError(f"the gptq format cannot leave decoder linears unquantized ({skipped[0]}); "
                           "use --format compressed-tensors")

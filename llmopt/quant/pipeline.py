@@ -92,6 +92,9 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None)
     with layer_progress(console, f"quantizing ({cfg.scheme}, {cfg.method})", resolved.spec.num_layers) as advance:
         result = runner.run(progress=advance)
+    for note in result.notes:
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)
+    notes = notes + result.notes
     kv = None
     if cfg.kv_cache is not None:
         assert result.k_absmax is not None and result.v_absmax is not None
@@ -113,6 +116,6 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             timings_s={k: round(v, 3) for k, v in timings.items()},
             bytes_before=bytes_before, bytes_after=(tmp / WEIGHTS_FILE).stat().st_size, notes=notes,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
-                                  kv_cache=cfg.kv_cache is not None))
+                                  kv_cache=cfg.kv_cache is not None, moe=resolved.spec.is_moe))
         report.write(tmp / REPORT)
     return report

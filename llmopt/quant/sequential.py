@@ -14,13 +14,27 @@ For each decoder layer, in order:
 4. propagate: rerun the layer with the quantized weights to produce the next layer's inputs, recording
    the per-head K (after RoPE) and V maxima the layer writes to its cache (INT8 KV-cache scales).
 
+Mixture-of-Experts layers: the hooks sit on every expert's linears, so each expert is calibrated on
+exactly the tokens the router sends it (GPTQ Hessian, AWQ samples). An expert that the calibration set
+routes fewer than `min_expert_tokens` tokens to (default: its input width, the hidden size; below that
+its Hessian XᵀX is rank-deficient and GPTQ would rest on dampening alone) gets a warning, and its
+statistics are collected again from every calibration token of the layer, the block output still
+using only the routed ones (`SparseMoeBlock.calibrate_all`). That is llm-compressor's "calibrate all
+experts" for the experts that need it: still GPTQ/AWQ (not RTN) and a full-rank Hessian, from the
+same distribution the router chooses from (the post-attention norm output), while well-covered
+experts keep their true routed inputs. AWQ scales an expert's down_proj inputs into its own up_proj
+rows; expert gate|up inputs are not scaled (the norm feeding them also feeds the router and every other
+expert), so they get AWQ's clip search only. Routers stay float (`CausalLM.float_linears`).
+
 Without calibration data (plain RTN, fp8) only step 3 runs. Forward passes use `forward_dtype`
 (bf16 by default: ~3x faster on CPUs with bf16 units); every quantization computation is float32.
 """
 
 from __future__ import annotations
 
+import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +43,7 @@ from torch import nn
 
 from llmopt.calibrate.forward import InputHook, KVObserver, embed_batches, layer_copy, run_layer
 from llmopt.layers.linear import output_splits
+from llmopt.layers.moe import SparseMoeBlock
 from llmopt.models.base import CausalLM
 from llmopt.quant.awq import (
     awq_search_clip,
@@ -47,6 +62,20 @@ from llmopt.quant.targets import Target
 
 SAMPLE_TOKENS = 512  # input rows kept per linear for AWQ searches and the error report
 
+_EXPERT_DOWN = re.compile(r"^(mlp\.(?:experts\.\d+|shared_expert))\.down_proj$")
+
+
+def _producers(model: CausalLM, layer_targets) -> dict[str, tuple[str, str | None]]:
+    """The model class's `quant_producers` plus, for MoE layers, each expert's (and the shared expert's)
+    up_proj rows → its down_proj."""
+    out = dict(type(model).quant_producers)
+    for rel in layer_targets:
+        m = _EXPERT_DOWN.match(rel)
+        if m:
+            out[rel] = (f"{m.group(1)}.gate_up_proj", "up_proj")
+    return out
+
+
 @dataclass
 class SequentialOptions:
     method: str = "rtn"  # rtn | gptq | awq
@@ -58,6 +87,7 @@ class SequentialOptions:
     smoothquant_alpha: float = 0.5
     forward_dtype: torch.dtype = torch.bfloat16
     batch_tokens: int = 4096
+    min_expert_tokens: int | None = None  # None: the hidden size (see the module doc)
 
 
 @dataclass
@@ -80,6 +110,7 @@ class SequentialResult:
     k_absmax: torch.Tensor | None  # [layers, kv_heads]
     v_absmax: torch.Tensor | None
     timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # e.g. experts calibrated on every token
 
 
 class _Capture:
@@ -91,9 +122,11 @@ class _Capture:
         self.channels = ChannelStats(in_features) if smooth else None
         self.stride = stride
         self.rows: list[torch.Tensor] = []
+        self.tokens = 0
 
     def __call__(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
+        self.tokens += x.shape[0]
         if self.hessian is not None:
             self.hessian.add_batch(x)
         if self.channels is not None:
@@ -124,6 +157,7 @@ class SequentialQuantizer:
         self.windows = windows
         self.observe_kv = observe_kv
         self.timings: dict[str, float] = {}
+        self.notes: list[str] = []
 
     def _time(self, stage: str, start: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
@@ -150,7 +184,7 @@ class SequentialQuantizer:
                              if name.startswith(prefix) and t.scheme is not None}
             captures: dict[str, _Capture] = {}
             if batches is not None and self._needs_capture(layer_targets):
-                captures = self._capture(layer, layer_targets, batches)
+                captures = self._capture(layer, layer_targets, batches, f"layers.{i}")
             self._transform(layer, layer_targets, captures)
             for rel, t in layer_targets.items():
                 modules[t.module] = self._quantize(layer.get_submodule(rel), t, captures.get(rel))
@@ -165,9 +199,10 @@ class SequentialQuantizer:
             if progress:
                 progress(i)
         kv = (cache.k_absmax, cache.v_absmax) if batches is not None and self.observe_kv else (None, None)
-        return SequentialResult(modules, kv[0], kv[1], self.timings)
+        return SequentialResult(modules, kv[0], kv[1], self.timings, self.notes)
 
-    def _capture(self, layer: nn.Module, layer_targets: dict[str, Target], batches) -> dict[str, _Capture]:
+    def _capture(self, layer: nn.Module, layer_targets: dict[str, Target], batches,
+                 layer_name: str = "layer") -> dict[str, _Capture]:
         t0 = time.perf_counter()
         fwd = layer_copy(layer, self.opt.forward_dtype)
         total = sum(b.num_tokens for b in batches)
@@ -181,14 +216,49 @@ class SequentialQuantizer:
         with InputHook(mods, lambda rel, x: captures[rel](x), stop_at=last).installed():
             run_layer(fwd, batches, KVObserver(len(self.model.layers), self.model.spec.num_kv_heads),
                       update=False)
+        self._recapture_starved_experts(fwd, captures, batches, stride, layer_name)
         self._time("capture", t0)
         return captures
+
+    def _recapture_starved_experts(self, fwd: nn.Module, captures: dict[str, _Capture], batches,
+                                   stride: int, layer_name: str) -> None:
+        """The module doc's fallback: experts routed too few tokens are captured again on all of them."""
+        minimum = self.opt.min_expert_tokens
+        for prefix, block in fwd.named_modules():
+            if not isinstance(block, SparseMoeBlock):
+                continue
+            need = block.gate.in_features if minimum is None else minimum
+            starved = {}
+            for e in range(block.num_experts):
+                rels = [r for r in captures if r.startswith(f"{prefix}.experts.{e}.")]
+                if rels and captures[rels[0]].tokens < need:
+                    starved[e] = (captures[rels[0]].tokens, rels)
+            if not starved:
+                continue
+            note = (f"{layer_name}.{prefix}: experts {', '.join(map(str, starved))} were routed fewer than {need} calibration "
+                    f"tokens ({', '.join(str(n) for n, _ in starved.values())}); calibrated on all "
+                    f"{sum(b.num_tokens for b in batches)} tokens of the layer instead")
+            warnings.warn(note, stacklevel=2)
+            self.notes.append(note)
+            rels = [r for _, rs in starved.values() for r in rs]
+            for r in rels:
+                old = captures[r]
+                captures[r] = _Capture(fwd.get_submodule(r).in_features, old.hessian is not None,
+                                       old.channels is not None, stride, self.opt.forward_dtype,
+                                       next(fwd.parameters()).device)
+            block.calibrate_all = frozenset(starved)
+            try:
+                with InputHook({r: fwd.get_submodule(r) for r in rels}, lambda rel, x: captures[rel](x)).installed():
+                    run_layer(fwd, batches, KVObserver(len(self.model.layers), self.model.spec.num_kv_heads),
+                              update=False)
+            finally:
+                block.calibrate_all = frozenset()
 
     def _transform(self, layer: nn.Module, layer_targets: dict[str, Target], captures: dict[str, _Capture]) -> None:
         """SmoothQuant / AWQ channel scaling, folded into the producers (step 2)."""
         t0 = time.perf_counter()
         scaled = False
-        for rel, (producer, part) in type(self.model).quant_producers.items():
+        for rel, (producer, part) in _producers(self.model, layer_targets).items():
             t = layer_targets.get(rel)
             cap = captures.get(rel)
             if t is None or cap is None or t.scheme is None:

@@ -3,11 +3,14 @@
 Users (and checkpoints) name projections the Hugging Face way (`model.layers.3.self_attn.q_proj`),
 while our model fuses q|k|v and gate|up. Every regex is matched (`re.search`) against the HF names;
 the parts of one fused module must end up with the same scheme, because they are one weight here
-(vLLM fuses them the same way and has the same rule). `lm_head` and the embeddings stay unquantized.
+(vLLM fuses them the same way and has the same rule). `lm_head` and the embeddings stay unquantized,
+and so do the linears a model class lists in `float_linears` (MoE routers and the shared-expert gate:
+a few thousand weights that decide which experts run; vLLM and llm-compressor keep them float too).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -28,6 +31,7 @@ class Target:
     parts: dict[str, tuple[int, int]]
     in_features: int
     scheme: ModuleScheme | None
+    kept_float: bool = False  # a router (`float_linears`): float in every format, not a user's --ignore
 
 
 def hf_parts(model: nn.Module, name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -83,9 +87,14 @@ def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], l
         return make_scheme(preset, gs, cfg.symmetric)
 
     main = scheme_for(cfg.scheme, True)
+    float_res = [re.compile(p) for p in getattr(type(model), "float_linears", ())]
     targets = []
     for name, mod in linears:
         parts = hf_parts(model, name, mod)
+        local = re.sub(r"^layers\.\d+\.", "", name)
+        if any(r.search(local) for r in float_res):  # kept float whatever --override says
+            targets.append(Target(name, parts, mod.in_features, None, kept_float=True))
+            continue
         chosen: dict[str, ModuleScheme | None] = {}
         for hf in parts:
             s: ModuleScheme | None = main

@@ -1,4 +1,5 @@
-"""Write a tiny random-weight model of a registered family (llama, mistral, qwen2, qwen3: config,
+"""Write a tiny random-weight model of a registered family (llama, mistral, qwen2, qwen3, and the MoE
+families qwen3_moe, mixtral, qwen2_moe: config,
 safetensors, tokenizer) to a directory, with transformers itself.
 
 Tests use it so that most of the suite runs in seconds without the real SmolLM2. The tokenizer is a
@@ -176,5 +177,78 @@ def write_tiny_gemma3(
     tok.save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())
     saved.setdefault("torch_dtype", "float32")
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    return out
+
+
+_MOE_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+def write_tiny_moe(
+    out_dir: str | Path,
+    *,
+    model_type: str = "qwen3_moe",
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    num_experts: int = 8,
+    top_k: int = 2,
+    expert_intermediate_size: int = 32,
+    intermediate_size: int = 96,
+    shared_expert_intermediate_size: int = 64,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: list[int] | None = None,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    tokenizer_vocab_size: int = 512,
+) -> Path:
+    """A random-weight Qwen3-MoE, Mixtral or Qwen2-MoE directory, written by transformers'
+    `save_pretrained` (per-expert tensor names, as on the hub). Mixtral's experts use
+    `intermediate_size`; the Qwen families' dense layers (`mlp_only_layers`) use it too."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in _MOE_ARCH:
+        raise ValueError(f"{model_type} is not a MoE family ({', '.join(_MOE_ARCH)})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(tokenizer_vocab_size)
+    cfg: dict[str, Any] = {
+        "model_type": model_type, "architectures": [_MOE_ARCH[model_type]], "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "vocab_size": len(tok), "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings, "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "torch_dtype": dtype,
+        "num_experts_per_tok": top_k,
+    }
+    if model_type == "mixtral":
+        cfg.update(num_local_experts=num_experts, intermediate_size=expert_intermediate_size)
+    else:
+        cfg.update(num_experts=num_experts, moe_intermediate_size=expert_intermediate_size,
+                   intermediate_size=intermediate_size, norm_topk_prob=norm_topk_prob,
+                   decoder_sparse_step=decoder_sparse_step, mlp_only_layers=mlp_only_layers or [])
+    if model_type == "qwen2_moe":
+        cfg["shared_expert_intermediate_size"] = shared_expert_intermediate_size
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+    config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger-than-default init so that logits and routes are not all ties
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.normal_(0.0, 0.5)  # decisive routes: top-k choices are not near-ties
+            else:
+                p.normal_(0.0, 0.08)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    saved.setdefault("torch_dtype", dtype)
     (out / "config.json").write_text(json.dumps(saved, indent=2))
     return out

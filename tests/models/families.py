@@ -41,3 +41,28 @@ def tiny_gemma3(tmp_path_factory) -> Path:
 
     return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), sliding_window=WINDOW,
                              rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+# ---- Mixture-of-Experts (appended with the MoE families) ----------------------------------------
+from llmopt.testing.tiny_model import write_tiny_moe  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """Qwen3-MoE: 8 experts, top-2, norm_topk_prob, q/k norms; layer 1 dense (`mlp_only_layers`)."""
+    return write_tiny_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"), model_type="qwen3_moe", num_layers=3,
+                          mlp_only_layers=[1], head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    """Mixtral: 8 experts (w1/w3/w2 names), top-2, always renormalized."""
+    return write_tiny_moe(tmp_path_factory.mktemp("tiny-mixtral"), model_type="mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory) -> Path:
+    """Qwen2-MoE: qkv bias, shared expert behind a sigmoid gate, top-k not renormalized, sparse every
+    second layer (`decoder_sparse_step=2`)."""
+    return write_tiny_moe(tmp_path_factory.mktemp("tiny-qwen2-moe"), model_type="qwen2_moe", num_layers=4,
+                          top_k=3, norm_topk_prob=False, decoder_sparse_step=2)

@@ -1,0 +1,160 @@
+"""A sparse Mixture-of-Experts MLP block (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert).
+
+Routing follows the Hugging Face reference: router logits in the model dtype, softmax in float32,
+top-k, then (if `norm_topk_prob`) the k weights renormalized to sum to one. Tokens are grouped by
+expert with one argsort of the flat (token, k) choices, so each expert runs one batched matmul over
+exactly the tokens routed to it and experts with no tokens are skipped (no Python loop over tokens).
+
+Every expert is an ordinary gate|up + down MLP of swappable Linears (see `llmopt.layers.linear`), so
+quantized modules drop in per expert. While all experts are plain float Linears (no quantized module, no
+calibration hook), their weights are packed once into two stacked [experts, out, in] tensors that the
+expert Linears then view (no second copy), and the grouped tokens go through `grouped_mm`: two kernels
+for all experts instead of ~8 small ops per expert, which is what decode batches pay for. Anything else
+(a quantized expert, hooks, `calibrate_all`, a device without grouped_mm) takes the per-expert loop. The router (`gate`) and the shared-expert gate are plain
+nn.Linear too, but quantization leaves them in float by default (they are tiny and routing is
+sensitive to them).
+
+`calibrate_all` (a set of expert ids, empty in serving) makes those experts also see every token of
+the batch, while the block output still uses only the routed tokens: calibration hooks then collect
+statistics for experts that the calibration set rarely routes to (llm-compressor's "calibrate all
+experts"), without changing what the next layer receives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.layers import compiled as kernels
+from llmopt.layers.activation import silu_and_mul
+from llmopt.layers.linear import FusedLinear
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class ExpertMLP(nn.Module):
+    """SiLU-gated MLP with a fused gate|up projection (one expert, or the shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, device):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = FusedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+                                        bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        return self.down_proj(kernels.call(compiled, silu_and_mul, self.gate_up_proj(x), self.intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool, shared_expert_intermediate_size: int, dtype, device):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
+        self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size, dtype, device)
+                                     for _ in range(num_experts))
+        if shared_expert_intermediate_size:
+            self.shared_expert = ExpertMLP(hidden_size, shared_expert_intermediate_size, dtype, device)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype, device=device)
+        else:
+            self.shared_expert = None
+        self.calibrate_all: frozenset[int] = frozenset()
+        self.last_counts: torch.Tensor | list[int] | None = None  # tokens per expert in the last forward
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, H], down [E, H, I])
+        self._pack_state: tuple = ()
+        self._grouped_broken = _GROUPED_MM is None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def _still_packed(self) -> bool:
+        """Cheap per-step check that the packed views are still what every expert runs: same modules,
+        same weight tensors at the same addresses, and no hooks (calibration captures per expert)."""
+        for e, gu, dn, pgu, pdn, ptrs in self._pack_state:
+            mods = e._modules
+            if mods["gate_up_proj"] is not gu or mods["down_proj"] is not dn:
+                return False
+            if gu._forward_pre_hooks or dn._forward_pre_hooks or gu._forward_hooks or dn._forward_hooks:
+                return False
+            if gu._parameters["weight"] is not pgu or dn._parameters["weight"] is not pdn:
+                return False
+            if (pgu.data_ptr(), pdn.data_ptr()) != ptrs:
+                return False
+        return True
+
+    def _grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stacked expert weights when the grouped path may run (packing them on first use), else None."""
+        if self._grouped_broken or self.calibrate_all:
+            return None
+        if self._stacked is not None and self._still_packed():
+            return self._stacked
+        self._stacked = None
+        for e in self.experts:
+            for m in (e.gate_up_proj, e.down_proj):
+                if (type(m) not in (FusedLinear, nn.Linear) or m.bias is not None or m.weight.is_meta
+                        or m._forward_pre_hooks or m._forward_hooks):
+                    return None
+        with torch.no_grad():
+            gate_up = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])
+            down = torch.stack([e.down_proj.weight.detach() for e in self.experts])
+        state = []
+        for i, e in enumerate(self.experts):  # the Linears view the stacks: one copy of the weights
+            e.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+            pgu, pdn = e.gate_up_proj.weight, e.down_proj.weight
+            state.append((e, e.gate_up_proj, e.down_proj, pgu, pdn, (pgu.data_ptr(), pdn.data_ptr())))
+        self._pack_state = tuple(state)
+        self._stacked = (gate_up, down)
+        return self._stacked
+
+    def _grouped(self, x, stacked, slot_weights, order, tokens, counts) -> torch.Tensor:
+        gate_up, down = stacked
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = _GROUPED_MM(x[tokens], gate_up.transpose(-2, -1), offs=offs)
+        h = silu_and_mul(h, gate_up.shape[1] // 2)
+        y = _GROUPED_MM(h, down.transpose(-2, -1), offs=offs)
+        return torch.zeros_like(x).index_add_(0, tokens, y * slot_weights[order, None])
+
+    def forward(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.reshape(-1)
+        stacked = self._grouped_weights()
+        if stacked is not None:
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            self.last_counts = counts
+            try:
+                out = self._grouped(x, stacked, weights.reshape(-1), order, order // self.top_k, counts)
+            except (RuntimeError, NotImplementedError):  # e.g. CUDA grouped_mm wants bf16 on sm80+
+                self._grouped_broken = True
+                return self.forward(x, compiled)
+            if self.shared_expert is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
+            return out
+        order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        self.last_counts = counts
+        slot_weights = weights.reshape(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0 and e not in self.calibrate_all:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tokens = slots // self.top_k
+            if e in self.calibrate_all:
+                y = self.experts[e](x, compiled)[tokens]
+            else:
+                y = self.experts[e](x[tokens], compiled)
+            out.index_add_(0, tokens, y * slot_weights[slots, None])
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
+        return out
