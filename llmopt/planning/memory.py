@@ -332,6 +332,24 @@ class MemoryModel:
             per_head += KV_INT8_SCALE_BYTES
         return 2 * n_layers * self.kv_heads_per_gpu(tp) * per_head
 
+    def sliding_layers(self, layers: int | None = None) -> int:
+        """How many of `layers` (a pipeline stage's share; all by default) are sliding-window layers.
+        Layer types interleave (Gemma 3: 5 of every 6), so a stage holds its proportional share."""
+        s = self.spec
+        sliding = sum(1 for i in range(s.num_layers) if s.attention_window(i) is not None)
+        n = s.num_layers if layers is None else layers
+        return math.ceil(sliding * n / s.num_layers)
+
+    def kv_bytes(self, seq_len: int, tp: int = 1, layers: int | None = None) -> int:
+        """KV of one sequence of `seq_len` tokens. A sliding-window layer keeps only its last `window`
+        tokens, as vLLM and llama.cpp do (they free the blocks behind the window), so for Gemma 3 the
+        context grows the KV of 1 layer in 6. llmopt's own engine still keeps the whole context."""
+        n = self.spec.num_layers if layers is None else layers
+        per_layer = self.kv_bytes_per_token(tp, 1)
+        slide = self.sliding_layers(layers)
+        window = self.spec.sliding_window or seq_len
+        return per_layer * ((n - slide) * seq_len + slide * min(seq_len, window))
+
     def activation(self, seq_len: int, batch: int, tp: int = 1, logits: bool = True) -> ActivationBytes:
         """Peak transient memory of one step: the widest point of a layer over a prefill chunk, plus
         the logits of one sampled token per sequence (see docs: "Activations")."""
@@ -372,7 +390,7 @@ class MemoryModel:
         """Everything one GPU holds while `batch` sequences of `seq_len` tokens are resident (`ep`:
         experts split over that many GPUs, see `layer_linear_shapes`)."""
         w = self.weights(tp, layers, embedding, lm_head, ep)
-        kv = self.kv_bytes_per_token(tp, layers) * seq_len * batch
+        kv = self.kv_bytes(seq_len, tp, layers) * batch
         act = self.activation(seq_len, batch, tp, logits=lm_head)
         return GpuBytes(weights=w, kv=kv, activation=act, reserve=self.reserve(w.total + kv + act.total, multi_gpu))
 

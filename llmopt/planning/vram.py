@@ -139,17 +139,14 @@ class VramPlan:
     params: int
     active_params: int  # read per token: MoE counts only the routed top-k experts (= params when dense)
     gpu: GpuBytes
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # every layer's K and V of one token (a full-attention layer's share x layers)
+    kv_bytes_per_sequence: int  # one sequence of opts.seq_len tokens: sliding layers hold at most their window
     fits: bool
     max_concurrent_sequences: int
     max_seq_len_at_batch: int
     parallel: ParallelPlan | None
     recommendations: list[Recommendation] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-
-    @property
-    def kv_bytes_per_sequence(self) -> int:
-        return self.kv_bytes_per_token * self.opts.seq_len
 
     @property
     def kv_bytes_total(self) -> int:
@@ -232,6 +229,7 @@ def plan_vram(spec: ModelSpec, opts: VramPlanOptions, model_name: str = "") -> V
         active_params=spec.active_params(),
         gpu=gpu,
         kv_bytes_per_token=model.kv_bytes_per_token(),
+        kv_bytes_per_sequence=model.kv_bytes(opts.seq_len),
         fits=gpu.total <= gpu_mem,
         max_concurrent_sequences=largest_fitting(lambda b: model.gpu(opts.seq_len, b).total <= gpu_mem),
         max_seq_len_at_batch=largest_fitting(lambda n: model.gpu(n, opts.batch).total <= gpu_mem),
@@ -356,8 +354,13 @@ def render_vram_plan(plan: VramPlan, console: Console) -> None:
         w_note = f"{weights} layers (+ scales); rest {dt.compute}"
     act = g.activation
     table.add_row("weights", format_bytes(g.weights.total), w_note)
-    table.add_row("KV cache", format_bytes(plan.kv_bytes_total),
-                  f"{format_bytes(plan.kv_bytes_per_token)}/token × {o.seq_len} × {o.batch}")
+    slide = plan.spec.sliding_window if plan.spec.layer_types else None
+    n_slide = sum(t == "sliding_attention" for t in plan.spec.layer_types)
+    kv_note = f"{format_bytes(plan.kv_bytes_per_token)}/token × {o.seq_len} × {o.batch}"
+    if slide is not None and o.seq_len > slide:
+        kv_note = (f"{format_bytes(plan.kv_bytes_per_sequence)}/sequence × {o.batch}: {n_slide}/{plan.spec.num_layers}"
+                   f" sliding layers hold ≤ {slide} tokens")
+    table.add_row("KV cache", format_bytes(plan.kv_bytes_total), kv_note)
     table.add_row("activations", format_bytes(act.total),
                   f"layer peak @{act.prefill_chunk_tokens} tok + logits")
     table.add_row("reserve", format_bytes(g.reserve),
@@ -372,6 +375,11 @@ def render_vram_plan(plan: VramPlan, console: Console) -> None:
                       f"{len(s.moe_layers)}/{s.num_layers} layers · params total {plan.params:,}, active per "
                       f"token {plan.active_params:,} ({100 * plan.active_params / plan.params:.0f}%): every expert "
                       "stays resident, decode reads only the active ones")
+    if slide is not None and o.seq_len > slide:
+        full = plan.kv_bytes_per_token * o.seq_len * o.batch
+        console.print(f"sliding window: KV {format_bytes(plan.kv_bytes_total)} against {format_bytes(full)} if every "
+                      f"layer kept all {o.seq_len} tokens ({100 * plan.kv_bytes_total / full:.0f}%; what vLLM and "
+                      "llama.cpp keep; llmopt's own engine still keeps the whole context)")
     wkv = g.weights.total + plan.kv_bytes_total
     console.print(f"weights {format_bytes(g.weights.total)} ({100 * g.weights.total / max(1, wkv):.0f}%) vs KV cache "
                   f"{format_bytes(plan.kv_bytes_total)} ({100 * plan.kv_bytes_total / max(1, wkv):.0f}%)")

@@ -85,3 +85,30 @@ def test_multimodal_gemma3_weights_are_refused_in_one_line(tmp_path):
     with pytest.raises(LlmoptError, match="multimodal Gemma 3 checkpoint") as e:
         weights_dir(resolved)
     assert "\n" not in str(e.value)
+
+
+def test_sliding_layers_bound_the_kv_by_their_window(tmp_path, monkeypatch, capsys):
+    """Gemma-3-27B at 8k tokens: the 10 full-attention layers hold 8192 tokens, the 52 sliding ones
+    1024 (what vLLM keeps); bf16 KV is 2 x 16 heads x 128 x 2 B = 8 KiB per layer and token."""
+    spec = ModelSpec.from_hf_config(GEMMA3_27B_TEXT)
+    assert sum(t == "sliding_attention" for t in spec.layer_types) == 52
+    per_layer = 2 * 16 * 128 * 2
+    plan = plan_vram(spec, VramPlanOptions(weight_dtype="bf16", seq_len=8192, batch=2), model_name="g27")
+    assert plan.kv_bytes_per_token == 62 * per_layer
+    assert plan.kv_bytes_per_sequence == per_layer * (10 * 8192 + 52 * 1024)
+    assert plan.kv_bytes_total == 2 * plan.kv_bytes_per_sequence == plan.gpu.kv
+    # within the window every layer holds every token
+    short = plan_vram(spec, VramPlanOptions(weight_dtype="bf16", seq_len=512), model_name="g27")
+    assert short.kv_bytes_per_sequence == 62 * per_layer * 512
+    # a bigger window frees less; the longest sequence that fits grows with the bound
+    h200 = {"weight_dtype": "bf16", "seq_len": 8192, "batch": 2, "gpu_memory_bytes": 141 * 10**9}
+    full = plan_vram(ModelSpec.from_hf_config({**GEMMA3_27B_TEXT, "sliding_window_pattern": 1}),
+                     VramPlanOptions(**h200), model_name="g27-full")
+    assert full.kv_bytes_per_sequence == 62 * per_layer * 8192 > plan.kv_bytes_per_sequence
+    sliding = plan_vram(spec, VramPlanOptions(**h200), model_name="g27")
+    assert sliding.max_seq_len_at_batch > 3 * full.max_seq_len_at_batch > 0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3_27B_TEXT))
+    code, out, err = run_cli(monkeypatch, capsys, "vram-plan", str(path), "--seq-len", "8192", "--weight-dtype", "bf16")
+    assert code == 0, err
+    assert "52/62 sliding layers hold ≤ 1024 tokens" in out and "llmopt's own engine still keeps" in out
