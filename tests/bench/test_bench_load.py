@@ -118,18 +118,27 @@ def test_warmup_is_sent_but_not_recorded():
     assert "5/5" in out.getvalue()  # the rich progress bar rendered
 
 
+async def _until_in_flight(target: InFlight, n: int) -> None:
+    """Wait (up to 10 s) until `n` requests are in flight: a fixed sleep raced the sends on a loaded machine."""
+    for _ in range(1000):
+        if target.now >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"only {target.now} of {n} requests were ever in flight")
+
+
 def test_cancel_returns_partial_records():
     target = InFlight(delay=10.0)
 
     async def main():
         task = asyncio.create_task(run_load(target.send, _reqs(5), LoadPattern(concurrency=2), progress=False))
-        await asyncio.sleep(0.1)
+        await _until_in_flight(target, 2)
+        t0 = time.perf_counter()
         task.cancel()
-        return await task
+        return await task, time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    res = asyncio.run(main())
-    assert time.perf_counter() - t0 < 2
+    res, took = asyncio.run(main())
+    assert took < 2  # the in-flight requests (10 s each) were cancelled, not awaited
     assert res.interrupted
     assert len(res.records) == 2  # the two in flight; the three queued were never sent
     assert all(r.interrupted and r.error_code == "interrupted" for r in res.records)
@@ -145,9 +154,15 @@ def test_ctrl_c_under_asyncio_run_returns_partial_records():
 
     target = InFlight(delay=10.0)
 
+    async def interrupt():
+        await _until_in_flight(target, 3)
+        signal.raise_signal(signal.SIGINT)
+
     async def main():
-        asyncio.get_running_loop().call_later(0.1, signal.raise_signal, signal.SIGINT)
-        return await run_load(target.send, _reqs(4), LoadPattern(concurrency=3), progress=False)
+        ctrl_c = asyncio.create_task(interrupt())
+        res = await run_load(target.send, _reqs(4), LoadPattern(concurrency=3), progress=False)
+        await ctrl_c
+        return res
 
     res = asyncio.run(main())  # no KeyboardInterrupt escapes: the runner handled the cancellation
     assert res.interrupted and len(res.records) == 3
