@@ -20,6 +20,13 @@ from llmopt.models.spec import ModelSpec
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.([A-Za-z_]+)$")
 
+# The decoder layout llama, Qwen, Mistral and Gemma 3 share: q|k|v and gate|up each fused into one linear.
+FUSED_QKV_GATE_UP: dict[str, tuple[str, str]] = {
+    **{f"self_attn.{p}": ("self_attn.qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")},
+    **{f"mlp.{p}": ("mlp.gate_up_proj", p) for p in ("gate_proj", "up_proj")},
+}
+FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
 
 class CausalLM(nn.Module):
     """A decoder-only LM over a flat token batch and the paged KV cache.
@@ -47,8 +54,17 @@ class CausalLM(nn.Module):
     lm_head: nn.Linear
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta,
-                num_layers: int | None = None) -> torch.Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
+                num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]. `num_layers` runs only the
+        first layers (an early-exit self-draft for speculative decoding). A family changes what happens
+        inside (`embed`, `build_rotary`, its decoder layers), not this loop."""
+        hidden = self.embed(input_ids)
+        rope = self.rotary(positions)
+        residual = None
+        for layer in self.layers[:num_layers]:
+            hidden, residual = layer(rope, hidden, residual, cache, meta)
+        hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden state entering layer 0 (Gemma scales it); calibration embeds through this too."""

@@ -26,7 +26,7 @@ from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import OffsetRMSNorm
 from llmopt.layers.rotary import OnTheFlyRotary, apply_rotary
-from llmopt.models.base import CausalLM
+from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
 from llmopt.models.spec import ModelSpec
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh_and_mul, "silu": silu_and_mul}
@@ -118,14 +118,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    packed_modules_mapping = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
-        "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
-        "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),
-        "mlp.gate_proj": ("mlp.gate_up_proj", "gate_proj"),
-        "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
-    }
-    quantizable_linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    packed_modules_mapping = FUSED_QKV_GATE_UP
+    quantizable_linears = FUSED_LINEARS
     # the MLP's input comes from pre_feedforward_layernorm (post_attention_layernorm feeds the residual)
     quant_producers = {
         "self_attn.qkv_proj": ("input_layernorm", None),
@@ -151,18 +145,6 @@ class Gemma3ForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]; `num_layers` runs only the
-        first layers (speculative decoding's early-exit draft)."""
-        hidden = self.embed(input_ids)
-        rope = self.rotary(positions)
-        residual = None
-        for layer in self.layers[:num_layers]:
-            hidden, residual = layer(rope, hidden, residual, cache, meta)
-        hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
-        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -20,7 +20,7 @@ from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import RMSNorm
 from llmopt.layers.rotary import apply_rotary
-from llmopt.models.base import CausalLM
+from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
 from llmopt.models.spec import ModelSpec
 
 
@@ -94,14 +94,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules_mapping = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
-        "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
-        "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),
-        "mlp.gate_proj": ("mlp.gate_up_proj", "gate_proj"),
-        "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
-    }
-    quantizable_linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    packed_modules_mapping = FUSED_QKV_GATE_UP
+    quantizable_linears = FUSED_LINEARS
     quant_producers = {
         "self_attn.qkv_proj": ("input_layernorm", None),
         "mlp.gate_up_proj": ("post_attention_layernorm", None),
@@ -120,15 +114,3 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]. `num_layers` runs only the
-        first layers (an early-exit self-draft for speculative decoding)."""
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
-        residual = None
-        for layer in self.layers[:num_layers]:
-            hidden, residual = layer(rope, hidden, residual, cache, meta)
-        hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
-        return hidden
