@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-DATA = Path(__file__).resolve().parents[1] / "calibration_data"
+DATA = Path(__file__).resolve().parents[2] / "calibration_data"
 NGRAM = 8
 
 

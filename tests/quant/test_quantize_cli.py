@@ -11,7 +11,7 @@ import pytest
 
 from tests.cli_runner import run_cli
 
-KB = Path(__file__).resolve().parents[1] / "calibration_data" / "kb_calibration.jsonl"
+KB = Path(__file__).resolve().parents[2] / "calibration_data" / "kb_calibration.jsonl"
 
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.cli_runner import run_cli
 
-DATA = Path(__file__).resolve().parents[1] / "calibration_data"
+DATA = Path(__file__).resolve().parents[2] / "calibration_data"
 
 
 
