@@ -102,7 +102,8 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(monkeypatch, caplog):
     eager result, a warning names the failure, and later calls stay eager."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    # torch's own config.patch, not monkeypatch: monkeypatch's undo deletes the key from torch's config
+    # module (its getattr hook makes the attribute look new), and every later compile then fails
     monkeypatch.setattr(kernels, "_broken", [])
     monkeypatch.setattr(kernels, "_compiled", {})
 
@@ -111,9 +112,11 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(monkeypatch, caplog):
 
     x = torch.randn(80, 8)
     torch._dynamo.reset()
-    with caplog.at_level("WARNING", logger="llmopt.layers.compiled"):
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}), \
+            caplog.at_level("WARNING", logger="llmopt.layers.compiled"):
         out = kernels.call(True, scaled_tanh, x, 1.5)
     torch._dynamo.reset()
+    assert inductor_config.cpp.cxx != ("/nonexistent/c++",)  # restored for the tests that follow
     assert torch.equal(out, scaled_tanh(x, 1.5))
     assert not kernels.available()
     assert "compiled kernels unavailable" in caplog.text
