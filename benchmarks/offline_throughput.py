@@ -1,8 +1,9 @@
 """Offline engine benchmarks, measured side by side in ONE run on the same machine, model and dtype.
 
-    python benchmarks/offline_throughput.py --dtype float32 [--only mixed,single,prefix,overhead] [--enforce-eager]
+    python benchmarks/offline_throughput.py --dtype float32 [--model smollm2-135m|gemma3-270m]
+        [--only mixed,single,prefix,overhead] [--num-requests 64] [--enforce-eager]
 
-- mixed:    64 requests, prompts 32-512 tokens, outputs 16-256 (ignore_eos). llmopt continuous batching
+- mixed:    64 requests (`--num-requests`), prompts 32-512 tokens, outputs 16-256 (ignore_eos). llmopt continuous batching
             vs transformers static batches of 16 in arrival order, each run to its longest request.
             Reports useful output tokens/s (requested tokens only).
 - single:   single-stream decode tok/s, llmopt vs transformers generate.
@@ -58,8 +59,8 @@ def hf_static(hf, reqs, batch: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench_mixed(llm: LLM, hf, results: dict) -> None:
-    reqs = mixed_workload(llm.engine.spec.vocab_size)
+def bench_mixed(llm: LLM, hf, results: dict, n: int = 64) -> None:
+    reqs = mixed_workload(llm.engine.spec.vocab_size, n=n)
     useful = sum(o for _, o in reqs)
     llm.generate([p for p, _ in reqs[:4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.engine.reset_prefix_cache()
@@ -71,7 +72,7 @@ def bench_mixed(llm: LLM, hf, results: dict) -> None:
     ours = time.perf_counter() - t0
     llm.engine.stat_listeners.remove(stats.append)
     theirs = hf_static(hf, reqs, 16)
-    results["mixed"] = {"useful_output_tokens": useful, "llmopt_s": ours, "transformers_static16_s": theirs,
+    results["mixed"] = {"requests": n, "useful_output_tokens": useful, "llmopt_s": ours, "transformers_static16_s": theirs,
                         "llmopt_tok_s": useful / ours, "transformers_tok_s": useful / theirs,
                         "speedup": theirs / ours,
                         "llmopt_prefill_steps_s": sum(st.step_time for st in stats if st.num_prefill_tokens),
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--only", default="mixed,single,prefix,overhead")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests in the mixed workload")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--enforce-eager", action="store_true", help="llmopt without its compiled prefill kernels")
     args = ap.parse_args()
@@ -163,7 +165,7 @@ def main() -> None:
         bench_overhead(llm, results)
         print(json.dumps(results["overhead"]), flush=True)
     if "mixed" in which:
-        bench_mixed(llm, hf, results)
+        bench_mixed(llm, hf, results, n=args.num_requests)
         print(json.dumps(results["mixed"]), flush=True)
     if "prefix" in which:
         del llm
