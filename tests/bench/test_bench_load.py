@@ -164,5 +164,11 @@ def test_ctrl_c_under_asyncio_run_returns_partial_records():
         await ctrl_c
         return res
 
-    res = asyncio.run(main())  # no KeyboardInterrupt escapes: the runner handled the cancellation
+    # Ctrl-C as in a terminal: a process started in the background by a non-interactive shell inherits
+    # SIGINT ignored, and asyncio.run then installs no handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        res = asyncio.run(main())  # no KeyboardInterrupt escapes: the runner handled the cancellation
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert res.interrupted and len(res.records) == 3
