@@ -47,7 +47,8 @@ RUNNER_FIELDS: dict[str, frozenset[str]] = {
     "serve.server": frozenset(),
     "bench": frozenset({
         # the target is the run's own model, in-process, with serve.engine's settings
-        "url", "endpoint", "served_model", "api_key", "request_timeout", "tokenizer", "model", "dtype", "device",
+        "url", "endpoint", "served_model", "api_key", "request_timeout", "send_ignore_eos", "tokenizer", "model",
+        "dtype", "device",
         "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype", "prefix_caching",
         # outputs go to the run directory
         "json_path", "markdown_path", "plot_path", "progress",
