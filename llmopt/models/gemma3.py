@@ -19,14 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.layers import compiled as kernels
 from llmopt.layers.activation import gelu_tanh_and_mul, silu_and_mul
-from llmopt.layers.attention import AttentionMetadata, PagedAttention
-from llmopt.layers.kv_cache import PagedKVCache
-from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import OffsetRMSNorm
-from llmopt.layers.rotary import OnTheFlyRotary, apply_rotary
+from llmopt.layers.rotary import OnTheFlyRotary
 from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
+from llmopt.models.llama import LlamaAttention, LlamaMLP
 from llmopt.models.spec import ModelSpec
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh_and_mul, "silu": silu_and_mul}
@@ -47,53 +44,18 @@ class Gemma3Rotary(nn.Module):
         return full, (full if self.local is None else self.local(positions))
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.qkv_proj = FusedLinear(spec.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                       "v_proj": self.kv_size},
-                                    bias=spec.attention_bias, dtype=dtype, device=device)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
-        self.q_norm = OffsetRMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
-        self.k_norm = OffsetRMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
-        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   window=spec.attention_window(layer_idx), scale=spec.attention_scale)
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with (1 + w) q/k norms (the spec always sets qk_norm for Gemma 3) and the
+    spec's query_pre_attn_scalar scale."""
 
-    def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(hidden)
-        t = hidden.shape[0]
-        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-        # normed q and k heads stacked, rotated in one go
-        qk = torch.cat([self.q_norm(q, compiled=meta.compiled), self.k_norm(k, compiled=meta.compiled)], dim=1)
-        qk = kernels.call(meta.compiled, apply_rotary, qk, *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, cache, meta))
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype, device):
-        super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.act = _ACTIVATIONS[spec.hidden_activation]
-        self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": spec.intermediate_size,
-                                                           "up_proj": spec.intermediate_size},
-                                        bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype,
-                                   device=device)
-
-    def forward(self, x, compiled: bool = False):
-        return self.down_proj(kernels.call(compiled, self.act, self.gate_up_proj(x), self.intermediate_size))
+    norm_class = OffsetRMSNorm
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
         self.self_attn = Gemma3Attention(spec, layer_idx, dtype, device)
-        self.mlp = Gemma3MLP(spec, dtype, device)
+        self.mlp = LlamaMLP(spec, dtype, device, act=_ACTIVATIONS[spec.hidden_activation])
         eps, h = spec.rms_norm_eps, spec.hidden_size
         self.input_layernorm = OffsetRMSNorm(h, eps, dtype, device)
         self.post_attention_layernorm = OffsetRMSNorm(h, eps, dtype, device)

@@ -25,6 +25,8 @@ from llmopt.models.spec import ModelSpec
 
 
 class LlamaAttention(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm  # of the q/k norms (Gemma 3: the (1+w) OffsetRMSNorm)
+
     def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -34,11 +36,11 @@ class LlamaAttention(nn.Module):
                                     bias=spec.attention_bias, dtype=dtype, device=device)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device)
+            self.q_norm = self.norm_class(self.head_dim, spec.rms_norm_eps, dtype, device)
+            self.k_norm = self.norm_class(self.head_dim, spec.rms_norm_eps, dtype, device)
         self.qk_norm = spec.qk_norm
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   window=spec.attention_window(layer_idx))
+                                   window=spec.attention_window(layer_idx), scale=spec.attention_scale)
 
     def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
@@ -55,9 +57,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype, device):
+    """Gated MLP: act(gate) * up, then down. `act` is SiLU for llama, GELU-tanh for Gemma 3's GeGLU."""
+
+    def __init__(self, spec: ModelSpec, dtype, device, act=silu_and_mul):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
+        self.act = act
         self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": spec.intermediate_size,
                                                            "up_proj": spec.intermediate_size},
                                         bias=False, dtype=dtype, device=device)
@@ -65,7 +70,7 @@ class LlamaMLP(nn.Module):
                                    device=device)
 
     def forward(self, x, compiled: bool = False):
-        return self.down_proj(kernels.call(compiled, silu_and_mul, self.gate_up_proj(x), self.intermediate_size))
+        return self.down_proj(kernels.call(compiled, self.act, self.gate_up_proj(x), self.intermediate_size))
 
 
 class LlamaDecoderLayer(nn.Module):
