@@ -61,7 +61,7 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = None
         self.calibrate_all: frozenset[int] = frozenset()
-        self.last_counts: torch.Tensor | list[int] | None = None  # tokens per expert in the last forward
+        self.last_counts: torch.Tensor | None = None  # tokens per expert in the last forward
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, H], down [E, H, I])
         self._pack_state: tuple = ()
         self._grouped_broken = _GROUPED_MM is None
@@ -114,30 +114,54 @@ class SparseMoeBlock(nn.Module):
         self._stacked = (gate_up, down)
         return self._stacked
 
-    def _grouped(self, x, stacked, slot_weights, order, tokens, counts) -> torch.Tensor:
+    def _grouped(self, x, slot_weights, order, counts) -> torch.Tensor | None:
+        """All experts in two grouped matmuls over the stacked weights; None where that path cannot run
+        here (see the module doc), and for good once grouped_mm has refused this device or dtype."""
+        stacked = self._grouped_weights()
+        if stacked is None:
+            return None
         gate_up, down = stacked
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = _GROUPED_MM(x[tokens], gate_up.transpose(-2, -1), offs=offs)
-        h = silu_and_mul(h, gate_up.shape[1] // 2)
-        y = _GROUPED_MM(h, down.transpose(-2, -1), offs=offs)
+        tokens = order // self.top_k
+        try:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = _GROUPED_MM(x[tokens], gate_up.transpose(-2, -1), offs=offs)
+            h = silu_and_mul(h, gate_up.shape[1] // 2)
+            y = _GROUPED_MM(h, down.transpose(-2, -1), offs=offs)
+        except (RuntimeError, NotImplementedError):  # e.g. CUDA grouped_mm wants bf16 on sm80+
+            self._grouped_broken = True
+            return None
         return torch.zeros_like(x).index_add_(0, tokens, y * slot_weights[order, None])
+
+    def _looped(self, x, compiled, slot_weights, order, counts: list[int]) -> torch.Tensor:
+        """One matmul per expert over its routed tokens; `calibrate_all` experts run on every token."""
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0 and e not in self.calibrate_all:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tokens = slots // self.top_k
+            if e in self.calibrate_all:
+                y = self.experts[e](x, compiled)[tokens]
+            else:
+                y = self.experts[e](x[tokens], compiled)
+            out.index_add_(0, tokens, y * slot_weights[slots, None])
+        return out
 
     def forward(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         weights, experts = self.route(x)
         flat = experts.reshape(-1)
-        stacked = self._grouped_weights()
-        if stacked is not None:
-            order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=self.num_experts)
-            self.last_counts = counts
-            try:
-                out = self._grouped(x, stacked, weights.reshape(-1), order, order // self.top_k, counts)
-            except (RuntimeError, NotImplementedError):  # e.g. CUDA grouped_mm wants bf16 on sm80+
-                self._grouped_broken = True
-                return self.forward(x, compiled)
-            if self.shared_expert is not None:
-                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
-            return out
+        order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.last_counts = counts
+        slot_weights = weights.reshape(-1)
+        out = self._grouped(x, slot_weights, order, counts)
+        if out is None:
+            out = self._looped(x, compiled, slot_weights, order, counts.tolist())
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
+        return out
         order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         self.last_counts = counts
