@@ -51,6 +51,36 @@ def build_tokenizer(vocab_size: int = 512):
     return fast
 
 
+def _save_random(config, out: Path, tok, seed: int, dtype: str, init) -> Path:
+    """Build `config` with transformers, re-initialize every parameter with `init(name, p)` (seeded),
+    save it in `dtype` with the tokenizer, and keep `torch_dtype` in config.json (transformers 5 rewrites
+    some fields; both layouts are supported)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init(name, p)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    saved.setdefault("torch_dtype", dtype)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    return out
+
+
+def _llama_init(name: str, p) -> None:
+    """Larger than the default init, so that logits are not all ties; norms near 1."""
+    import torch
+
+    if "norm" in name:
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    else:
+        p.normal_(0.0, 0.08)
+
+
 def write_tiny_llama(
     out_dir: str | Path,
     *,
@@ -74,8 +104,7 @@ def write_tiny_llama(
 
     `head_dim` may differ from hidden / heads (Qwen3 does). `sliding_window` (mistral, qwen2, qwen3):
     the attention window, on every layer, or on those `layer_types` marks "sliding_attention"."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,22 +142,7 @@ def write_tiny_llama(
         raise ValueError(f"{model_type} has no sliding window")
     if layer_types is not None:
         cfg["layer_types"] = layer_types
-    config = AutoConfig.for_model(**cfg)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger-than-default init so that logits are not all ties
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    # keep our own config keys too (transformers 5 rewrites rope fields; both layouts are supported)
-    saved = json.loads((out / "config.json").read_text())
-    saved.setdefault("torch_dtype", dtype)
-    (out / "config.json").write_text(json.dumps(saved, indent=2))
-    return out
+    return _save_random(AutoConfig.for_model(**cfg), out, tok, seed, dtype, _llama_init)
 
 
 def write_tiny_gemma3(
@@ -152,8 +166,7 @@ def write_tiny_gemma3(
     llmopt both load. The defaults make every Gemma-specific knob matter: head_dim != hidden / heads, a
     query_pre_attn_scalar that is not head_dim, sliding layers (window 16) next to a full one, and norm
     weights away from zero (the scale is 1 + w)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,17 +181,9 @@ def write_tiny_gemma3(
         rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         architectures=["Gemma3ForCausalLM"], **kw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1 if "norm" in name else 0.08)
-    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    saved = json.loads((out / "config.json").read_text())
-    saved.setdefault("torch_dtype", "float32")
-    (out / "config.json").write_text(json.dumps(saved, indent=2))
-    return out
+    # norm weights w around 0: Gemma scales by 1 + w
+    return _save_random(config, out, tok, seed, "float32",
+                        lambda name, p: p.normal_(0.0, 0.1 if "norm" in name else 0.08))
 
 
 _MOE_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -209,8 +214,7 @@ def write_tiny_moe(
     """A random-weight Qwen3-MoE, Mixtral or Qwen2-MoE directory, written by transformers'
     `save_pretrained` (per-expert tensor names, as on the hub). Mixtral's experts use
     `intermediate_size`; the Qwen families' dense layers (`mlp_only_layers`) use it too."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if model_type not in _MOE_ARCH:
         raise ValueError(f"{model_type} is not a MoE family ({', '.join(_MOE_ARCH)})")
@@ -235,20 +239,11 @@ def write_tiny_moe(
         cfg["shared_expert_intermediate_size"] = shared_expert_intermediate_size
     if head_dim is not None:
         cfg["head_dim"] = head_dim
-    config = AutoConfig.for_model(**cfg)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger-than-default init so that logits and routes are not all ties
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-                p.normal_(0.0, 0.5)  # decisive routes: top-k choices are not near-ties
-            else:
-                p.normal_(0.0, 0.08)
-    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    saved = json.loads((out / "config.json").read_text())
-    saved.setdefault("torch_dtype", dtype)
-    (out / "config.json").write_text(json.dumps(saved, indent=2))
-    return out
+
+    def init(name: str, p) -> None:
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            p.normal_(0.0, 0.5)  # decisive routes: top-k choices are not near-ties
+        else:
+            _llama_init(name, p)
+
+    return _save_random(AutoConfig.for_model(**cfg), out, tok, seed, dtype, init)
