@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmopt.layers.attention import AttentionMetadata, PrefillChunk
+from llmopt.layers.attention import AttentionMetadata, get_backend
 from llmopt.models.base import CausalLM
 
 
@@ -42,7 +42,8 @@ class CalibBatch:
 class KVObserver:
     """Duck-typed `PagedKVCache` for whole-window prefills: records per-layer, per-head K/V absmax."""
 
-    quantized = False
+    quantized = False  # whole-window prefills then read K/V straight from the layer, never from the pool
+    dtype = None
 
     def __init__(self, num_layers: int, num_kv_heads: int) -> None:
         self.k_absmax = torch.zeros(num_layers, num_kv_heads)
@@ -62,14 +63,14 @@ def embed_batches(model: CausalLM, windows: torch.Tensor, batch_windows: int,
     """Embed `windows` [N, L] into batches of `batch_windows` sequences each (hidden in `dtype`)."""
     dev = model.embed_tokens.weight.device
     n, seq_len = windows.shape
+    # one block per window: window i's tokens take slots i*L..(i+1)*L-1 of a pool nothing reads back
+    attn = get_backend(dev, block_size=seq_len, allow_compiled=False)
     batches = []
     for start in range(0, n, batch_windows):
         ids = windows[start:start + batch_windows].to(dev)
         b = ids.shape[0]
         flat = ids.reshape(-1)
-        chunks = [PrefillChunk(seq_len, seq_len, torch.empty(0, dtype=torch.long), None) for _ in range(b)]
-        meta = AttentionMetadata(slot_mapping=torch.arange(b * seq_len, device=dev), prefills=chunks,
-                                 num_prefill_tokens=b * seq_len)
+        meta = attn.build_metadata(KVObserver(0, 0), [([i], 0, seq_len) for i in range(b)], [])
         positions = torch.arange(seq_len, device=dev).repeat(b)
         batches.append(CalibBatch(positions, model.rotary(positions), meta, model.embed(flat).to(dtype), None))
     return batches

@@ -18,7 +18,7 @@ from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.structured_output import StructuredOutputCompiler
 from llmopt.errors import LlmoptError
-from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.layers.attention import PagedKVCache, get_backend
 from llmopt.models.base import CausalLM
 from llmopt.models.loader import load_model, parse_dtype
 from llmopt.models.resolve import ResolvedModel, resolve_model, weights_dir
@@ -68,15 +68,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
     kv_scales = kv_cache_scales(resolved)
     kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     bs = config.block_size
-    per_block = PagedKVCache.bytes_per_block(s.num_layers, bs, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
+    attn = get_backend(device, bs, not config.enforce_eager)
+    per_block = attn.bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
     sc = config.speculative
     draft, draft_dtype = (None, None)
     if sc is not None and sc.method == "draft":
         draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
         ds = draft.spec  # the draft's pool mirrors the target's block for block
-        per_block += PagedKVCache.bytes_per_block(ds.num_layers, bs, ds.num_kv_heads, ds.head_dim, draft_dtype)
+        per_block += attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
     num_blocks = _num_blocks(config, s, device, per_block)
-    kv_cache = PagedKVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype, device, kv_dtype)
+    kv_cache = attn.make_cache(s.num_layers, num_blocks, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
     if kv_scales is not None and kv_cache.quantized:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
     limit = config.max_model_len or s.max_position_embeddings
@@ -84,11 +85,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           config.enable_chunked_prefill, config.scheduling_policy)
-    runner = ModelRunner(model, kv_cache, bs, device, not config.enforce_eager)
+    runner = ModelRunner(model, kv_cache, attn)
     draft_runner = None
     if draft is not None:
-        dcache = PagedKVCache(ds.num_layers, num_blocks, bs, ds.num_kv_heads, ds.head_dim, draft_dtype, device)
-        draft_runner = ModelRunner(draft, dcache, bs, device, not config.enforce_eager)
+        dcache = attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype)
+        draft_runner = ModelRunner(draft, dcache, attn)
     return EngineParts(resolved, s, device, dtype, model, wdir, tokenizer, eos, structured, kv_cache,
                        per_block * num_blocks, num_blocks, max_model_len, block_manager, scheduler, runner,
                        draft_runner)

@@ -1,8 +1,9 @@
 """ModelRunner: turns a scheduled step into a ModelInput, runs the model, samples plain rows and
 verifies speculating ones, and returns per sequence the tokens to append.
 
-Sequences are laid out prefill chunks first, then single-token decodes, so attention can batch all
-decodes in one call. Only positions that end a sequence's known tokens produce logits, plus, for a
+Sequences are laid out prefill chunks first, then single-token decodes (longest context first), so
+attention can batch all decodes in one call; the attention backend turns that layout into its
+metadata. Only positions that end a sequence's known tokens produce logits, plus, for a
 request asking for prompt logprobs, every prompt position of its prefill chunks.
 """
 
@@ -18,12 +19,9 @@ from llmopt.engine.model_input import ModelInput
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
 from llmopt.engine.spec_decode.verifier import verify
-from llmopt.layers import compiled as kernels
-from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.layers.attention import AttentionBackend, AttentionMetadata
 from llmopt.models.base import CausalLM
 
-MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose full-vocabulary logits are held at once
 
 # one prompt token's {token id: (logprob, rank)}: the token itself and the top-n alternatives
@@ -45,60 +43,22 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedKVCache, block_size: int, device: torch.device,
-                 allow_compiled: bool = True):
+    def __init__(self, model: CausalLM, cache, attn_backend: AttentionBackend):
+        """`cache`: the KV pool `attn_backend` made, in its layout."""
         self.model = model
         self.cache = cache
-        self.block_size = block_size
-        self.device = device
-        self.allow_compiled = allow_compiled  # False: enforce_eager
-
-    def _compiled(self, num_tokens: int) -> bool:
-        return self.allow_compiled and kernels.wanted(self.cache.dtype, self.device, num_tokens)
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _prefill_chunk(self, table: list[int], start: int, end: int) -> PrefillChunk:
-        """Tokens start..end-1 of one sequence as a chunk: a whole context (start 0) attends to its own
-        K/V and needs no gather (unless the cache is int8); a later chunk reads the cached context
-        through its slots with a causal mask offset by `start`."""
-        dev = self.device
-        if start == 0 and not self.cache.quantized:
-            return PrefillChunk(end, end, torch.empty(0, dtype=torch.long), None)
-        ctx_slots = torch.tensor(self._slots(table, 0, end), dtype=torch.long, device=dev)
-        if start == 0:
-            return PrefillChunk(end, end, ctx_slots, None)
-        q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
-        k_pos = torch.arange(end, device=dev).unsqueeze(0)
-        return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
+        self.attn_backend = attn_backend
+        self.device = attn_backend.device
 
     def _layout(self, chunks: list[tuple[list[int], int, list[int]]], decodes: list[tuple[list[int], int, int]],
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and attention metadata: `chunks` (block table, start, tokens) run as
-        prefill chunks, then `decodes` (block table, position, token), sorted by decreasing context."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        prefills = []
-        for table, start, toks in chunks:
-            end = start + len(toks)
-            ids.extend(toks)
-            pos.extend(range(start, end))
-            slots.extend(self._slots(table, start, end))
-            prefills.append(self._prefill_chunk(table, start, end))
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=prefills, num_prefill_tokens=len(ids))
-        if decodes:
-            bs = self.block_size
-            for table, c, tok in decodes:
-                ids.append(tok)
-                pos.append(c)
-                slots.append(table[c // bs] * bs + c % bs)
-            meta.decode_groups = self._decode_groups([d[0] for d in decodes], [d[1] + 1 for d in decodes])
+        """Input ids, positions and the backend's attention metadata: `chunks` (block table, start,
+        tokens) run as prefill chunks, then `decodes` (block table, position, token)."""
+        ids = [t for _, _, toks in chunks for t in toks] + [tok for _, _, tok in decodes]
+        pos = [p for _, start, toks in chunks for p in range(start, start + len(toks))] + [c for _, c, _ in decodes]
+        meta = self.attn_backend.build_metadata(self.cache, [(t, start, start + len(toks)) for t, start, toks in chunks],
+                                                [(t, c) for t, c, _ in decodes])
         dev = self.device
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta.compiled = self._compiled(len(ids))
         return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
@@ -138,28 +98,6 @@ class ModelRunner:
         if num_layers is None:
             return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata)
         return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata, num_layers=num_layers)
-
-    def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
-        """Split decodes (sorted by decreasing context length) into groups whose shortest context is at
-        least half their longest, so each group's K/V gather pads little; tiny groups join the previous
-        one (a group costs a few kernel launches per layer)."""
-        bounds = [0]
-        for i in range(1, len(ctx_lens)):
-            if 2 * ctx_lens[i] < ctx_lens[bounds[-1]] and i - bounds[-1] >= MIN_DECODE_GROUP:
-                bounds.append(i)
-        if len(bounds) > 1 and len(ctx_lens) - bounds[-1] < MIN_DECODE_GROUP:
-            bounds.pop()
-        bounds.append(len(ctx_lens))
-        return [self._decode_group(tables[a:b], ctx_lens[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-    def _decode_group(self, tables: list[list[int]], ctx_lens: list[int]) -> DecodeGroup:
-        bs, dev = self.block_size, self.device
-        max_blocks = -(-max(ctx_lens) // bs)
-        bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
-                          dtype=torch.long, device=dev)
-        p = torch.arange(max_blocks * bs, device=dev)
-        lens = torch.tensor(ctx_lens, device=dev)
-        return DecodeGroup(len(tables), bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs))
 
     @torch.inference_mode()
     def greedy_next(self, items: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> list[int]:

@@ -16,7 +16,6 @@ from torch import nn
 from llmopt.layers import compiled as kernels
 from llmopt.layers.activation import silu_and_mul
 from llmopt.layers.attention import AttentionMetadata, PagedAttention
-from llmopt.layers.kv_cache import PagedKVCache
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import RMSNorm
 from llmopt.layers.rotary import apply_rotary
@@ -42,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                                    window=spec.attention_window(layer_idx), scale=spec.attention_scale)
 
-    def forward(self, rope, hidden, cache: PagedKVCache, meta: AttentionMetadata):
+    def forward(self, rope, hidden, cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
         t = hidden.shape[0]
         # q and k heads are adjacent in the fused output: rotate them in one go

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from llmopt import LLM, SamplingParams
 from llmopt.layers import compiled as kernels
 from llmopt.layers.activation import silu_and_mul
-from llmopt.layers.attention import causal_attention
+from llmopt.layers.attention.head_major import causal_attention
 from llmopt.layers.norm import add_rms_norm, rms_norm
 from llmopt.layers.rotary import apply_rotary
 
@@ -70,7 +70,7 @@ def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama):
     their logprobs agree with an enforce_eager engine's."""
     compiled = LLM(str(tiny_llama), dtype="bfloat16")
     eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
-    assert compiled.engine.runner.allow_compiled and not eager.engine.runner.allow_compiled
+    assert compiled.engine.runner.attn_backend.allow_compiled and not eager.engine.runner.attn_backend.allow_compiled
     g = torch.Generator().manual_seed(5)
     vocab = compiled.engine.spec.vocab_size
     prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(40, 120, (8,), generator=g)]

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillChunk
-from llmopt.layers.kv_cache import PagedKVCache
+from llmopt.layers.attention import BACKENDS, PagedAttention, get_backend
 
 H, HKV, D, BS, NUM_BLOCKS = 4, 2, 16, 4, 64
 
@@ -39,40 +38,16 @@ class _Seq:
         self.v = torch.randn(length, HKV, D, generator=gen).to(device)
         self.table = blocks
 
-    def slots(self, a: int, b: int) -> list[int]:
-        return [self.table[p // BS] * BS + p % BS for p in range(a, b)]
 
-
-def _prefill_chunk(seq: _Seq, start: int, end: int, device) -> PrefillChunk:
-    ctx = torch.tensor(seq.slots(0, end), device=device)
-    if start == 0:
-        return PrefillChunk(end, end, ctx, None)
-    q_pos = torch.arange(start, end, device=device)[:, None]
-    return PrefillChunk(end - start, end, ctx, torch.arange(end, device=device)[None, :] <= q_pos)
-
-
-def _decode_group(seqs: list[_Seq], positions: list[int], device) -> DecodeGroup:
-    nb = max(-(-(p + 1) // BS) for p in positions)
-    tables = torch.tensor([(s.table + [0] * nb)[:nb] for s in seqs], device=device)
-    lens = torch.tensor([p + 1 for p in positions], device=device)
-    mask = torch.arange(nb * BS, device=device)[None, :] < lens[:, None]
-    return DecodeGroup(len(seqs), tables, mask.view(1, len(seqs), 1, nb * BS))
-
-
-def _run_step(attn, cache, prefills, decodes, device) -> list[torch.Tensor]:
-    """prefills: [(seq, start, end)]; decodes: [(seq, position)] (one group). Returns per-item outputs."""
-    q, k, v, slots, chunks = [], [], [], [], []
+def _run_step(backend, attn, cache, prefills, decodes) -> list[torch.Tensor]:
+    """prefills: [(seq, start, end)]; decodes: [(seq, position)]. The backend builds the step's metadata
+    from the block tables, as the engine's model runner has it do. Returns per-item outputs."""
+    q, k, v = [], [], []
     for s, a, b in prefills:
         q.append(s.q[a:b]), k.append(s.k[a:b]), v.append(s.v[a:b])
-        slots += s.slots(a, b)
-        chunks.append(_prefill_chunk(s, a, b, device))
     for s, p in decodes:
         q.append(s.q[p:p + 1]), k.append(s.k[p:p + 1]), v.append(s.v[p:p + 1])
-        slots += s.slots(p, p + 1)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), prefills=chunks,
-                             num_prefill_tokens=sum(b - a for _, a, b in prefills))
-    if decodes:
-        meta.decode_groups = [_decode_group([s for s, _ in decodes], [p for _, p in decodes], device)]
+    meta = backend.build_metadata(cache, [(s.table, a, b) for s, a, b in prefills], [(s.table, p) for s, p in decodes])
     out = attn(torch.cat(q), torch.cat(k), torch.cat(v), cache, meta)
     sizes = [b - a for _, a, b in prefills] + [1] * len(decodes)
     return list(out.split(sizes))
@@ -81,10 +56,11 @@ def _run_step(attn, cache, prefills, decodes, device) -> list[torch.Tensor]:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize("backend_name", sorted(BACKENDS))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_paged_attention_equals_dense_sdpa(device, window, kv_cache_dtype):
+def test_paged_attention_equals_dense_sdpa(backend_name, device, window, kv_cache_dtype):
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     lengths = [23, 17, 14]  # blocks for each, taken from a shuffled pool
@@ -93,21 +69,24 @@ def test_paged_attention_equals_dense_sdpa(device, window, kv_cache_dtype):
         nb = -(-n // BS)
         seqs.append(_Seq(n, perm[used:used + nb], gen, device))
         used += nb
-    cache = PagedKVCache(1, NUM_BLOCKS, BS, HKV, D, torch.float32, torch.device(device), kv_cache_dtype)
+    backend = get_backend(torch.device(device), BS, name=backend_name)
+    if not backend.supports(torch.device(device)):
+        pytest.skip(f"{backend_name} does not run on {device}")
+    cache = backend.make_cache(1, NUM_BLOCKS, HKV, D, torch.float32, kv_cache_dtype)
     attn = PagedAttention(0, H, HKV, D, window=window)
     got = {i: [] for i in range(len(seqs))}
     # step 1: whole first chunks; step 2: chunks over the cached prefix; then one decode per step
     first = {0: 8, 1: 5, 2: 9}
     second = {0: 15, 1: 11}
-    for i, out in zip(first, _run_step(attn, cache, [(seqs[i], 0, first[i]) for i in first], [], device), strict=True):
+    for i, out in zip(first, _run_step(backend, attn, cache, [(seqs[i], 0, first[i]) for i in first], []), strict=True):
         got[i].append(out)
-    step2 = _run_step(attn, cache, [(seqs[i], first[i], second[i]) for i in second], [(seqs[2], 9)], device)
+    step2 = _run_step(backend, attn, cache, [(seqs[i], first[i], second[i]) for i in second], [(seqs[2], 9)])
     for i, out in zip([0, 1, 2], step2, strict=True):
         got[i].append(out)
     done = {0: 15, 1: 11, 2: 10}
     while any(done[i] < lengths[i] for i in done):
         live = [i for i in done if done[i] < lengths[i]]
-        for i, out in zip(live, _run_step(attn, cache, [], [(seqs[i], done[i]) for i in live], device), strict=True):
+        for i, out in zip(live, _run_step(backend, attn, cache, [], [(seqs[i], done[i]) for i in live]), strict=True):
             got[i].append(out)
             done[i] += 1
     tol = dict(atol=2e-2, rtol=0) if kv_cache_dtype == "int8" else dict(atol=1e-5, rtol=1e-5)
@@ -121,10 +100,17 @@ def test_reference_check_catches_a_wrong_block_table():
     """The comparison is sharp: reading one sequence through another's block table is caught."""
     gen = torch.Generator().manual_seed(1)
     a, b = _Seq(12, [5, 9, 2], gen, "cpu"), _Seq(12, [7, 1, 3], gen, "cpu")
-    cache = PagedKVCache(1, NUM_BLOCKS, BS, HKV, D, torch.float32, torch.device("cpu"))
+    backend = get_backend(torch.device("cpu"), BS)
+    cache = backend.make_cache(1, NUM_BLOCKS, HKV, D, torch.float32)
     attn = PagedAttention(0, H, HKV, D)
-    _run_step(attn, cache, [(a, 0, 11), (b, 0, 11)], [], "cpu")
+    _run_step(backend, attn, cache, [(a, 0, 11), (b, 0, 11)], [])
     b.table = a.table  # b's last token now attends to a's cached context
-    (out,) = _run_step(attn, cache, [], [(b, 11)], "cpu")
+    (out,) = _run_step(backend, attn, cache, [], [(b, 11)])
     ref = _dense_reference(b.q, b.k, b.v, None)[11:]
     assert not torch.allclose(out, ref, atol=1e-3)
+
+
+def test_get_backend_picks_by_device_and_refuses_unknown_names():
+    assert type(get_backend(torch.device("cpu"), BS)).name == "head_major"
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: head_major"):
+        get_backend(torch.device("cpu"), BS, name="flash")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from llmopt import LLM, SamplingParams
 from llmopt.layers import compiled as kernels
-from llmopt.layers.attention import causal_attention
+from llmopt.layers.attention.head_major import causal_attention
 from llmopt.models import ModelSpec, resolve_model
 from llmopt.models.llama import LlamaForCausalLM
 from tests.engine_utils import hf_greedy, token_ids

@@ -1,4 +1,4 @@
-"""The paged KV cache: one preallocated pool of fixed-size blocks per layer.
+"""The head-major paged KV cache: one preallocated pool of fixed-size blocks per layer (`HeadMajorBackend`'s layout).
 
 Layout per layer: [num_kv_heads, num_blocks * block_size, head_dim] (head-major), so a token's slot is
 `block_id * block_size + offset`, writes are a single indexed copy, and a gather of whole blocks lands

@@ -1,0 +1,75 @@
+"""AttentionBackend: what the model runner and the models need from an attention implementation.
+
+The runner schedules positions of sequences over block tables; how K/V are laid out in memory, what
+per-step metadata the kernels want, and which kernels run are the backend's business. So a backend
+makes its own KV pool, turns the scheduled batch into its own metadata once per step (shared by every
+layer), and runs each layer's attention over it. Models only see `AttentionMetadata.compiled` (whether
+this step uses the compiled element-wise kernels too) and pass the metadata through.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from llmopt.layers import compiled as kernels
+
+if TYPE_CHECKING:
+    from llmopt.layers.attention.layer import PagedAttention
+
+# one prefill chunk as scheduled: (block table, first position, end position); the chunk's tokens are
+# positions first..end-1 and it attends to positions 0..end-1
+PrefillItem = tuple[list[int], int, int]
+# one decode token: (block table, its position)
+DecodeItem = tuple[list[int], int]
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend's metadata has; subclasses add their kernels' inputs."""
+
+    backend: AttentionBackend  # the backend that built it, and runs the layers over it
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    num_prefill_tokens: int = 0  # rows 0..num_prefill_tokens-1 are prefill chunks, the rest decodes
+    compiled: bool = False  # a big low-precision step: use llmopt.layers.compiled's kernels
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, block_size: int, device: torch.device, allow_compiled: bool = True):
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.allow_compiled = allow_compiled  # False: enforce_eager
+
+    @classmethod
+    def supports(cls, device: torch.device) -> bool:
+        """Whether this backend runs on `device` (`get_backend` takes the first that does)."""
+        return True
+
+    @abstractmethod
+    def make_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   kv_cache_dtype: str = "auto"):
+        """The KV pool in this backend's layout."""
+
+    @abstractmethod
+    def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one block of that pool, over all layers (the engine sizes its pool with this)."""
+
+    @abstractmethod
+    def build_metadata(self, cache, prefills: list[PrefillItem], decodes: list[DecodeItem]) -> AttentionMetadata:
+        """One step's metadata. Tokens are laid out as the runner feeds them: the prefill chunks in order,
+        then the decodes in order."""
+
+    @abstractmethod
+    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Write the step's K/V for `layer` and attend: q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+
+    def use_compiled(self, dtype: torch.dtype, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` runs the compiled kernels (llmopt.layers.compiled)."""
+        return self.allow_compiled and kernels.wanted(dtype, self.device, num_tokens)

@@ -1,0 +1,166 @@
+"""The head-major paged attention backend: the CPU path (it runs on any device).
+
+Its pool is `PagedKVCache`, laid out [heads, slots, head_dim] per layer. Tokens of one step arrive
+flattened: first the prefill chunks (one sequence each, several query tokens), then the decode tokens
+(one query token each). Decodes run in groups of similar context length, each one block gather and two
+grouped matmuls; each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix
+(on big bf16 CPU steps, `causal_attention` compiled instead). The whole context of a sliding-window
+layer is still kept in the pool and gathered; its mask hides what fell out of the window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.layers import compiled as kernels
+from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, PrefillItem
+from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
+from llmopt.layers.attention.layer import PagedAttention
+from llmopt.layers.attention.paged_kv_cache import PagedKVCache
+
+MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
+# `causal_attention` holds the whole score matrix (SDPA streams it): past this many query x context
+# positions per chunk (16 MiB of bf16 scores per query head), chunks use SDPA even on compiled steps
+COMPILED_ATTENTION_MAX_SCORES = 2048 * 4096
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
+                     window: int = 0) -> torch.Tensor:
+    """q [L, H, D] at positions offset..offset+L-1; k, v [Hkv, C, D] at positions 0..C-1. Returns [L, H*D].
+    `window` > 0: each query sees only the last `window` positions (itself included).
+
+    The query heads that share a KV head are stacked into one matrix, so this is two plain matmuls around a
+    masked softmax: compiled (`llmopt.layers.compiled`), 2.2x faster than CPU SDPA in bf16 at 512 tokens.
+    """
+    length, h, d = q.shape
+    hkv = k.shape[0]
+    qg = q.transpose(0, 1).reshape(hkv, (h // hkv) * length, d)  # rows: (head in group, position)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hkv, G*L, C]
+    q_pos = torch.arange((h // hkv) * length, device=q.device) % length + offset
+    k_pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+    allowed = k_pos <= q_pos.unsqueeze(1)
+    if window > 0:
+        allowed = allowed & (k_pos > q_pos.unsqueeze(1) - window)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [Hkv, G*L, D]
+    return out.view(h, length, d).transpose(0, 1).reshape(length, h * d)
+
+
+class HeadMajorBackend(AttentionBackend):
+    name = "head_major"
+
+    def make_cache(self, num_layers, num_blocks, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto"):
+        return PagedKVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype, self.device,
+                            kv_cache_dtype)
+
+    def bytes_per_block(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto") -> int:
+        return PagedKVCache.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+
+    # ---- metadata -----------------------------------------------------------
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def build_metadata(self, cache, prefills: list[PrefillItem], decodes: list[DecodeItem]) -> HeadMajorMetadata:
+        slots: list[int] = []
+        chunks = []
+        for table, start, end in prefills:
+            slots.extend(self._slots(table, start, end))
+            chunks.append(self._prefill_chunk(table, start, end, cache.quantized))
+        num_prefill = len(slots)
+        for table, pos in decodes:
+            slots.extend(self._slots(table, pos, pos + 1))
+        meta = HeadMajorMetadata(self, torch.tensor(slots, dtype=torch.long, device=self.device), num_prefill,
+                                 self.use_compiled(cache.dtype, len(slots)), prefills=chunks)
+        if decodes:
+            meta.decode_groups = self.decode_groups([t for t, _ in decodes], [p + 1 for _, p in decodes])
+        return meta
+
+    def _prefill_chunk(self, table: list[int], start: int, end: int, quantized: bool) -> PrefillChunk:
+        """Tokens start..end-1 of one sequence as a chunk: a whole context (start 0) attends to its own
+        K/V and needs no gather (unless the cache is int8); a later chunk reads the cached context
+        through its slots with a causal mask offset by `start`."""
+        dev = self.device
+        if start == 0 and not quantized:
+            return PrefillChunk(end, end, torch.empty(0, dtype=torch.long), None)
+        ctx_slots = torch.tensor(self._slots(table, 0, end), dtype=torch.long, device=dev)
+        if start == 0:
+            return PrefillChunk(end, end, ctx_slots, None)
+        q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
+        k_pos = torch.arange(end, device=dev).unsqueeze(0)
+        return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
+
+    def decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes into groups whose shortest context is at least half their longest, so each
+        group's K/V gather pads little; tiny groups join the previous one (a group costs a few kernel
+        launches per layer). The runner sorts decodes by decreasing context, so groups are long runs."""
+        bounds = [0]
+        for i in range(1, len(ctx_lens)):
+            if 2 * ctx_lens[i] < ctx_lens[bounds[-1]] and i - bounds[-1] >= MIN_DECODE_GROUP:
+                bounds.append(i)
+        if len(bounds) > 1 and len(ctx_lens) - bounds[-1] < MIN_DECODE_GROUP:
+            bounds.pop()
+        bounds.append(len(ctx_lens))
+        return [self._decode_group(tables[a:b], ctx_lens[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def _decode_group(self, tables: list[list[int]], ctx_lens: list[int]) -> DecodeGroup:
+        bs, dev = self.block_size, self.device
+        max_blocks = -(-max(ctx_lens) // bs)
+        bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
+                          dtype=torch.long, device=dev)
+        p = torch.arange(max_blocks * bs, device=dev)
+        lens = torch.tensor(ctx_lens, device=dev)
+        return DecodeGroup(len(tables), bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs))
+
+    # ---- forward ------------------------------------------------------------
+    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+                meta: HeadMajorMetadata) -> torch.Tensor:
+        cache.write(layer.layer_idx, k, v, meta.slot_mapping)
+        outs = []
+        start = 0
+        for i, chunk in enumerate(meta.prefills):
+            end = start + chunk.q_len
+            if chunk.mask is None and not cache.quantized:
+                kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            else:
+                kc, vc = cache.read(layer.layer_idx, chunk.slots)  # [Hkv, ctx, D]
+            mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
+            if meta.compiled and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
+                outs.append(kernels.call(True, causal_attention, q[start:end], kc, vc, layer.scale,
+                                         chunk.ctx_len - chunk.q_len, layer.window or 0))
+            else:
+                outs.append(_prefill_sdpa(layer, q[start:end], kc, vc, mask))
+            start = end
+        for i, group in enumerate(meta.decode_groups):
+            mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
+            outs.append(_decode(layer, q[start:start + group.size], cache, group.blocks, mask))
+            start += group.size
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _prefill_sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """q [q_len, H, D]; k, v [Hkv, ctx, D]; mask [q_len, ctx] (None: the chunk is the whole context,
+    plain causal). Returns [q_len, H*D]."""
+    qc, kc, vc = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # [1, heads, len, D]
+    if mask is None:
+        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=layer.scale, enable_gqa=layer.gqa)
+    else:
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa)
+    return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _decode(layer: PagedAttention, q: torch.Tensor, cache: PagedKVCache, blocks: torch.Tensor,
+            mask: torch.Tensor) -> torch.Tensor:
+    """One query token per sequence: two batched matmuls with the query heads grouped by KV head,
+    over K/V gathered block-wise in [Hkv, B, C, D] (the matmuls read them without a transposed copy).
+    For a single query, CPU SDPA spends ~4x longer than this (measured at batch 48, 400 tokens)."""
+    b = q.shape[0]
+    hkv, g, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+    k, v = cache.read_blocks(layer.layer_idx, blocks)  # [Hkv, B, C, D]
+    qg = q.view(b, hkv, g, d).transpose(0, 1)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * layer.scale  # [Hkv, B, G, C]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, -1)  # [Hkv, B, G, D] -> [B, H*D]
