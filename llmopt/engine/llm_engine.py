@@ -6,8 +6,9 @@ reports a `StepStats` to every registered listener (Prometheus metrics, benchmar
 
 The step, one way: scheduler (scheduler.py) -> model input (model_runner.prepare, model_input.py) ->
 model -> sampler and verifier (sampler.py, spec_decode/verifier.py) -> post-step update (`_update`
-below, the one writer of sequence progress) -> outputs (output_processor.py). The parts are built by
-builder.py; speculation is one component (spec_decode/speculator.py).
+below, the one writer of sequence progress) -> outputs (output_processor.py), then the next step's
+drafts (spec_decode/speculator.py, as vLLM v1 proposes after sampling). The parts are built by
+builder.py.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class LLMEngine:
         self.spec_config: SpeculativeConfig | None = config.speculative
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
         self.speculator = None if self.spec_config is None else Speculator(
-            self.spec_config, self.runner, self.draft_runner, self.spec.num_layers, self.max_model_len)
+            self.spec_config, self.runner, self.draft_runner, self.spec.num_layers, self.max_model_len,
+            self.block_manager)
         self.spec_counters = self.speculator.counters if self.speculator else SpecCounters(0)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
@@ -143,11 +145,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._expire_deadlines(t0)
         spec = self.speculator
-        if spec is not None and self.spec_enabled:
-            spec.propose(self.scheduler.running)
+        if spec is not None and not self.spec_enabled:
+            spec.discard(self.scheduler.running)
         sched = self.scheduler.schedule()
-        if spec is not None:
-            spec.fill(sched.scheduled, self.scheduler.running)
         t1 = time.perf_counter()
         outputs, self._pending = self._pending, []
         finished_stats, self._pending_finished = self._pending_finished, []
@@ -156,6 +156,8 @@ class LLMEngine:
         if not sched.empty:
             res = self.runner.execute(sched.scheduled)
             outputs.extend(self._update(sched, res, new_tokens))
+            if spec is not None and self.spec_enabled:
+                spec.propose(self.scheduler.running)  # drafts for the next step
         t2 = time.perf_counter()
         for req_out in outputs:
             if req_out.finished:

@@ -1,4 +1,5 @@
-"""The Speculator on its own (prompt lookup): which sequences get drafts, and what a verified round books."""
+"""The Speculator on its own (prompt lookup): which sequences get drafts after a step, and what a verified
+round books."""
 
 from __future__ import annotations
 
@@ -39,12 +40,20 @@ def test_a_batch_above_max_batch_size_skips_the_step():
     assert all(s.spec.tokens == [] for s in seqs) and spec.counters.skipped_steps == 1
 
 
-def test_fill_drops_the_drafts_of_unscheduled_sequences():
+def test_drafts_are_kept_until_verified_and_dropped_by_discard():
+    """A sequence a step left out keeps its drafts (it is not proposed for again); turning speculation
+    off drops them, and the draft model's cache is trusted only up to the last real token."""
     spec = _speculator()
     a, b = _decode([1, 2, 1]), _decode([4, 5, 4])
     spec.propose([a, b])
-    spec.fill([(a, 1 + len(a.spec.tokens))], [a, b])
-    assert a.spec.tokens and b.spec.tokens == []
+    kept = list(b.spec.tokens)
+    b.token_ids.append(7)  # were b proposed for again, its drafts would follow the new suffix
+    b.num_computed_tokens += 1
+    spec.propose([b])
+    assert kept and b.spec.tokens == kept
+    a.spec.draft_computed = a.num_tokens + 2  # a draft model cached its drafts too
+    spec.discard([a, b])
+    assert a.spec.tokens == [] and b.spec.tokens == [] and a.spec.draft_computed == a.num_computed_tokens
 
 
 def test_record_counts_adapts_k_and_disables_a_poor_request():

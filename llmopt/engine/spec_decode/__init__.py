@@ -10,7 +10,7 @@ later and never enter the prefix cache.
 - `ngram.py`: prompt lookup, no extra model.
 - `model_proposer.py`: `layer_skip` (the target's first layers) and `draft` (a separate model).
 - `verifier.py`: greedy identity and rejection sampling, exact under structured outputs.
-- `speculator.py`: the component the engine calls: propose, fill after scheduling, record.
+- `speculator.py`: the component the engine calls: propose after a step (for the next), record.
 - `state.py`: the per-sequence SpecState and the engine-wide SpecCounters.
 
 Speculation is skipped per request when its running acceptance rate falls below a threshold, and for

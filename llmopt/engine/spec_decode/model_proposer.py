@@ -1,7 +1,7 @@
 """Drafts from a model: the target's first layers (`layer_skip`) or a separate draft model (`draft`).
 
-Both are greedy, k passes batched across the speculating sequences, after scheduling (the scheduler
-allocates KV slots for the drafts first).
+Both are greedy, k passes batched across the speculating sequences, after a step for the next one
+(the Speculator first takes the KV slots the passes write).
 - `layer_skip`: the target's first layers plus its final norm and head. It shares the target's paged
   KV pool: its K/V for those layers equal the target's, so it needs no cache of its own and no
   catch-up (the verification pass overwrites those slots with identical values).
@@ -23,13 +23,15 @@ class ModelProposer:
         self.runner = runner
         self.num_layers = num_layers
 
-    def reserve(self, seq: Sequence, k: int) -> None:
-        """Reserve k draft slots for the scheduler; `fill` writes the tokens once they are scheduled."""
-        seq.spec.tokens = [0] * k
+    writes_kv = True  # positions num_tokens-1 .. num_tokens+k-2 of each sequence
 
-    def fill(self, seqs: list[Sequence]) -> None:
-        if not seqs:
+    def propose(self, batch: list[tuple[Sequence, int]]) -> None:
+        """k greedy drafts per (sequence, k), into `seq.spec.tokens`."""
+        if not batch:
             return
+        seqs = [s for s, _ in batch]
+        for s, k in batch:
+            s.spec.tokens = [0] * k
         own_cache = self.num_layers is None
         for j in range(max(len(s.spec.tokens) for s in seqs)):
             active = [s for s in seqs if len(s.spec.tokens) > j]

@@ -39,16 +39,17 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
 
 
 class NgramProposer:
-    """Deterministic, no model: drafts are known before scheduling."""
+    """Deterministic, no model, no KV writes: drafts are copied from the sequence's own tokens."""
+
+    writes_kv = False
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def reserve(self, seq: Sequence, k: int) -> None:
-        drafts = ngram_propose(seq.token_ids, k, self.min_n, self.max_n)
-        if seq.grammar is not None:  # drop drafts the grammar refuses (they could only be rejected)
-            drafts = drafts[:seq.grammar.validate(drafts)]
-        seq.spec.tokens = drafts
-
-    def fill(self, seqs: list[Sequence]) -> None:
-        """Nothing to do after scheduling: the drafts were proposed with `reserve`."""
+    def propose(self, batch: list[tuple[Sequence, int]]) -> None:
+        """Up to k drafts per (sequence, k), into `seq.spec.tokens`."""
+        for seq, k in batch:
+            drafts = ngram_propose(seq.token_ids, k, self.min_n, self.max_n)
+            if seq.grammar is not None:  # drop drafts the grammar refuses (they could only be rejected)
+                drafts = drafts[:seq.grammar.validate(drafts)]
+            seq.spec.tokens = drafts

@@ -1,13 +1,16 @@
 """Speculator: speculative decoding as one component of the step.
 
-Before scheduling it gives running decodes k draft slots (`propose`); after scheduling, the drafts of
-scheduled sequences are written (`fill`); the model runner scores the last real token plus the drafts
-in one pass and the verifier picks the tokens to append; `record` then books the outcome: counters,
-the request's adapted k, and whether it keeps speculating.
+As vLLM v1's model runner does, drafts are proposed after a step for the next one (`propose`): each
+running decode gets up to k drafts in `seq.spec.tokens`, and a model proposer first takes the KV slots
+its draft passes write. The scheduler then schedules the last real token plus the drafts (trimmed to
+the step's token budget), the model runner scores them in one pass, and the verifier picks the tokens
+to append; `record` books the outcome: counters, the request's adapted k, and whether it keeps
+speculating.
 """
 
 from __future__ import annotations
 
+from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.sequence import Sequence
@@ -24,10 +27,12 @@ def spec_eligible(params: SamplingParams) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft_runner: ModelRunner | None,
-                 num_layers: int, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner | None, draft_runner: ModelRunner | None,
+                 num_layers: int, max_model_len: int, block_manager: BlockManager | None = None):
+        """`block_manager` gives the draft passes of a model proposer their KV slots (prompt lookup needs none)."""
         self.config = config
         self.max_model_len = max_model_len
+        self.block_manager = block_manager
         self.counters = SpecCounters(config.max_speculative_tokens or config.num_speculative_tokens)
         if config.method == "ngram":
             self.proposer: NgramProposer | ModelProposer = NgramProposer(config)
@@ -42,28 +47,39 @@ class Speculator:
         return seq.spec.k or self.config.num_speculative_tokens
 
     def propose(self, running: list[Sequence]) -> None:
-        """Draft slots for running decodes, unless the batch is too large to profit."""
+        """After a step: drafts for the next one, for each running decode without any, unless the batch
+        is too large to profit. A sequence the next step leaves out keeps its drafts for the one after."""
         if len(running) > self.config.max_batch_size:
             self.counters.skipped_steps += 1
             return
+        batch: list[tuple[Sequence, int]] = []
         for seq in running:
-            if (seq.spec.disabled or seq.num_computed_tokens != seq.num_tokens - 1 or not spec_eligible(seq.params)
+            if (seq.spec.tokens or seq.spec.disabled or seq.num_computed_tokens != seq.num_tokens - 1
+                    or not spec_eligible(seq.params)
                     or seq.params.logit_bias):  # verification draws from the unbiased distribution
                 continue
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(self.draft_len(seq), room)
-            if k > 0:
-                self.proposer.reserve(seq, k)
+            if k <= 0:
+                continue
+            if self.proposer.writes_kv:  # draft passes write positions num_tokens-1 .. num_tokens+k-2
+                bm = self.block_manager
+                assert bm is not None
+                if not bm.can_append(seq, k):
+                    continue
+                bm.append(seq, k)
+            batch.append((seq, k))
+        self.proposer.propose(batch)
 
-    def fill(self, scheduled: list[tuple[Sequence, int]], running: list[Sequence]) -> None:
-        """After scheduling: drop the drafts of sequences left out, write those of the scheduled ones."""
-        scheduled_ids = {s.seq_id for s, _ in scheduled}
+    def discard(self, running: list[Sequence]) -> None:
+        """Drop proposed drafts (speculation was turned off): the sequences decode plainly next step.
+        The draft model's cache stays valid up to the last real token."""
         for seq in running:
-            if seq.spec.tokens and seq.seq_id not in scheduled_ids:
+            if seq.spec.tokens:
                 seq.spec.tokens = []
-        self.proposer.fill([s for s, _ in scheduled if s.spec.tokens])
+                seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
 
     def record(self, seq: Sequence, num_accepted: int) -> None:
         """Book a verified round and clear the sequence's drafts: counters, adapted k, dynamic disable."""
