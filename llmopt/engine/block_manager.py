@@ -3,6 +3,11 @@
 A full block is identified by a chained hash of (parent block's hash, its own token ids), so a hit on
 block i implies the whole prefix up to i matches; the tokens are verified on every hit anyway, because
 Python's hash can collide. Blocks freed with a hash stay resident as evictable cache, evicted LRU.
+
+When every attention layer slides over the same `window` (Mistral's `sliding_window`), a block whose
+positions no later query can see is given back as the sequence advances (`release_out_of_window`), so
+a sequence holds about window / block_size blocks however long it gets, as vLLM and llama.cpp do. Its
+table keeps the entry (positions stay where they are); attention masks it out.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 release_window: int | None = None):
+        """`release_window`: the window every attention layer slides over (None: keep every block)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.release_window = release_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref_count 0 but hashed, LRU first
@@ -157,23 +165,39 @@ class BlockManager:
                 self.hash_to_block[hashes[i]] = block.block_id
         seq.num_hashed_blocks = num_full
 
+    def _release(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {bid} freed twice"
+        if block.ref_count == 0:
+            if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+                self.evictable[bid] = None
+            else:
+                block.hash = None
+                block.token_ids = None
+                self.free_ids.append(bid)
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks. Tail blocks are released first so they are evicted first."""
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {bid} freed twice"
-            if block.ref_count == 0:
-                if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
-                    self.evictable[bid] = None
-                else:
-                    block.hash = None
-                    block.token_ids = None
-                    self.free_ids.append(bid)
+        for bid in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(bid)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         seq.spec.draft_computed = 0
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks that fell out of every layer's window: the next query sits at
+        position num_computed_tokens and sees positions after num_computed_tokens - window. Called
+        after `commit_full_blocks`, so a released full block stays in the prefix cache (evictable)."""
+        if self.release_window is None:
+            return
+        first_seen = seq.num_computed_tokens - self.release_window + 1
+        upto = min(max(0, first_seen) // self.block_size, len(seq.block_table))
+        for i in range(seq.num_released_blocks, upto):
+            self._release(seq.block_table[i])
+        seq.num_released_blocks = max(seq.num_released_blocks, upto)
 
     def reset_prefix_cache(self) -> None:
         """Drop every evictable cached block (used by benchmarks to compare cold runs)."""

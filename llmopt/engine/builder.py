@@ -82,7 +82,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
     limit = config.max_model_len or s.max_position_embeddings
     max_model_len = min(limit, s.max_position_embeddings, num_blocks * bs)
-    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    # blocks out of every layer's window go back to the pool; not with a separate draft model, whose
+    # catch-up may start earlier and whose own layers may attend to everything
+    release = None if draft is not None else s.uniform_window
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, release)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           config.enable_chunked_prefill, config.scheduling_policy)
     runner = ModelRunner(model, kv_cache, attn)

@@ -171,7 +171,8 @@ class LLMEngine:
     def _update(self, sched: SchedulerOutput, res: StepResult, new_tokens: list[tuple[str, float]]
                 ) -> list[RequestOutput]:
         """The post-step update, the one writer of sequence progress: K/V now cached (num_computed_tokens),
-        tokens appended, full blocks committed to the prefix cache. Returns the touched requests' outputs."""
+        tokens appended, full blocks committed to the prefix cache, blocks out of a sliding window given
+        back. Returns the touched requests' outputs."""
         bm = self.block_manager
         for seq, n in sched.scheduled:
             if not seq.spec.tokens:  # a speculating sequence advances by what the verifier accepted
@@ -199,6 +200,9 @@ class LLMEngine:
                     seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
                     bm.commit_full_blocks(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
+        for seq, _ in sched.scheduled:
+            if not seq.is_finished:
+                bm.release_out_of_window(seq)  # a sliding-window model's blocks no query sees again
         return [self.outputs.make_output(req) for req in touched.values()]
 
     def _expire_deadlines(self, now: float) -> None:

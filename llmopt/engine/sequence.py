@@ -34,6 +34,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.num_released_blocks = 0  # leading blocks given back because they left the sliding window
         self.block_hashes: list[int] = []  # chained hashes of full blocks, computed lazily
         self.status = SequenceStatus.WAITING
         self.params = params

@@ -161,6 +161,14 @@ class ModelSpec(BaseModel):
         return None
 
     @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides over the same one (Mistral), else None (Gemma 3 mixes
+        full layers in, which need every position)."""
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

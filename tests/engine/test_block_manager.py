@@ -82,3 +82,27 @@ def test_nothing_is_counted_without_prefix_caching():
     seq = _seq([1, 2, 3])
     bm.count_prefix_lookup(seq, bm.lookup_prefix(seq))
     assert bm.take_prefix_counts() == (0, 0)
+
+
+def test_release_out_of_window_gives_back_blocks_no_query_sees_and_keeps_them_cached():
+    """Window 6, blocks of 4: at 14 computed tokens the next query (position 14) sees positions 9..14, so
+    blocks 0 and 1 (positions 0..7) go back; the full ones stay in the prefix cache as evictable, and
+    freeing the sequence later does not release them twice."""
+    bm = BlockManager(num_blocks=8, block_size=4, release_window=6)
+    a = _seq(list(range(14)))
+    _run_to_computed(bm, a)
+    assert len(a.block_table) == 4 and bm.num_free_blocks == 4
+    bm.release_out_of_window(a)
+    assert a.num_released_blocks == 2 and bm.num_free_blocks == 6 and len(bm.evictable) == 2
+    bm.release_out_of_window(a)  # idempotent
+    assert a.num_released_blocks == 2 and bm.num_free_blocks == 6
+    b = _seq(list(range(8)) + [99, 98])
+    assert bm.lookup_prefix(b) == a.block_table[:2]  # released, still a prefix hit
+    bm.free(a)
+    assert bm.num_free_blocks == 8 and all(blk.ref_count == 0 for blk in bm.blocks)
+    assert a.num_released_blocks == 0
+    keep = BlockManager(num_blocks=8, block_size=4)  # no window: nothing is released
+    c = _seq(list(range(14)))
+    _run_to_computed(keep, c)
+    keep.release_out_of_window(c)
+    assert c.num_released_blocks == 0 and keep.num_free_blocks == 4

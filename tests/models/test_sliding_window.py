@@ -96,3 +96,55 @@ def test_causal_attention_honours_the_window(offset):
     assert torch.allclose(causal_attention(q, k, v, d**-0.5, offset, window), ref, atol=1e-5)
     out = kernels.call(True, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset, window)
     assert torch.allclose(out.float(), ref, atol=3e-2)
+
+
+def _held_blocks(seq) -> int:
+    return len(seq.block_table) - seq.num_released_blocks
+
+
+@pytest.mark.parametrize("spec_method", [None, "ngram"])
+def test_sliding_window_blocks_stay_bounded_while_decoding(tiny_mistral_sw, tiny_qwen3_mixed, spec_method):  # noqa: F811
+    """Every layer of the tiny Mistral slides over 16 positions: with 4-token blocks a sequence holds at
+    most 16/4 + 2 blocks (the window, the block it writes into, the one its first visible position
+    straddles; speculation's drafts may take one more), however long it decodes; the output stays
+    transformers'. A model that mixes in a full layer keeps every block."""
+    from llmopt.engine.spec_decode import SpeculativeConfig
+
+    prompt = _prompts(100, 1, seed=5, lo=60, hi=60)[0]
+    n_out = 120
+    ref = hf_greedy(tiny_mistral_sw, [prompt], n_out)[0]
+    spec = None if spec_method is None else SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    llm = LLM(str(tiny_mistral_sw), dtype="float32", block_size=4, max_num_batched_tokens=16, speculative=spec)
+    eng = llm.engine
+    rid = eng.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=n_out,
+                                                                          ignore_eos=True))
+    seq = eng.get_request(rid).seqs[0]
+    held, out, released = [], [], 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o.outputs[0].token_ids
+        if not seq.is_finished:
+            held.append(_held_blocks(seq))
+            released = seq.num_released_blocks
+            bm = eng.block_manager
+            assert bm.num_blocks - bm.num_free_blocks == _held_blocks(seq)  # released blocks are free again
+    assert out == ref
+    assert len(prompt) + n_out > 40 * 4 and max(held) <= WINDOW // 4 + 2 + (spec is not None)
+    assert released > 30
+    bm = eng.block_manager
+    assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_blocks
+    mixed = LLM(str(tiny_qwen3_mixed), dtype="float32", block_size=4)
+    assert mixed.engine.block_manager.release_window is None
+
+
+def test_released_blocks_still_serve_prefix_hits(tiny_mistral_sw):  # noqa: F811
+    """A released full block stays in the prefix cache (evictable): the same prompts again hit it and
+    still give transformers' tokens, as does a batch whose blocks come and go together."""
+    prompts = _prompts(100, 4, seed=6, lo=50, hi=70)
+    ref = hf_greedy(tiny_mistral_sw, prompts, 40)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(tiny_mistral_sw), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    assert token_ids(llm, prompts[:1], params) == ref[:1]
+    hits = llm.engine.block_manager.prefix_hits
+    assert token_ids(llm, prompts[:1], params) == ref[:1] and llm.engine.block_manager.prefix_hits > hits
+    assert token_ids(llm, prompts, params) == ref

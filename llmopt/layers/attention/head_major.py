@@ -4,8 +4,9 @@ Its pool is `PagedKVCache`, laid out [heads, slots, head_dim] per layer. Tokens 
 flattened: first the prefill chunks (one sequence each, several query tokens), then the decode tokens
 (one query token each). Decodes run in groups of similar context length, each one block gather and two
 grouped matmuls; each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix
-(on big bf16 CPU steps, `causal_attention` compiled instead). The whole context of a sliding-window
-layer is still kept in the pool and gathered; its mask hides what fell out of the window.
+(on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers the whole
+block table and its mask hides what fell out of the window; when every layer slides, the block manager
+has given those blocks back (their table entries then point at blocks others may reuse: read, masked).
 """
 
 from __future__ import annotations
