@@ -46,8 +46,8 @@ def vram_plan(
     model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir, config.json or .gguf."),
     weight_dtype: str = typer.Option("auto", help="auto|fp32|fp16|bf16|fp8|int8|int4"),
     group_size: Optional[int] = typer.Option(
-        None, help="Group size of int4/int8 scales; -1 per channel. Default: -1 for int8, 128 (or the largest "
-        "size that divides the model) for int4."),
+        None, help="Group size of int4/int8 scales; -1 per channel. Default: -1 for int8, 128 for int4 (64 or 32 "
+        "when 128 does not divide the model, else -1)."),
     kv_dtype: str = typer.Option("auto", help="auto|fp32|fp16|bf16|fp8|int8"),
     seq_len: int = typer.Option(2048, help="Tokens per sequence (prompt + output)."),
     batch: int = typer.Option(1, help="Concurrent sequences."),

@@ -13,11 +13,11 @@ parallel layouts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.errors import LlmoptError
+from llmopt.group_size import check_group_size, default_group_size
 from llmopt.models.spec import ModelSpec
 from llmopt.planning.memory import (
     CHECKPOINT_DTYPES,
@@ -60,10 +60,11 @@ def resolve_dtypes(spec: ModelSpec, opts: VramPlanOptions) -> ResolvedDtypes:
     kv = compute if opts.kv_dtype == "auto" else opts.kv_dtype
     group = None
     if weight in INT_WEIGHT_DTYPES:
+        widths = quantized_in_features(spec)
         group = opts.group_size
-        if group is None:  # auto: per-channel int8 (W8A16), g128 int4 or the largest size that divides
-            group = -1 if weight == "int8" else default_group_size(spec, 128)
-        check_group_size(spec, group)
+        if group is None:  # auto: per-channel int8 (W8A16); int4 g128, else 64/32, else per channel
+            group = -1 if weight == "int8" else (default_group_size(widths.values()) or -1)
+        check_group_size(widths, group)
     return ResolvedDtypes(weight=weight, kv=kv, compute=compute, group_size=group)
 
 
@@ -77,37 +78,6 @@ def quantized_in_features(spec: ModelSpec) -> dict[str, int]:
         if spec.shared_expert_intermediate_size:
             sizes["shared expert intermediate"] = spec.shared_expert_intermediate_size
     return sizes
-
-
-def valid_group_sizes(spec: ModelSpec) -> list[int]:
-    """Group sizes that split every quantized Linear's input evenly (divisors >= 16 when any exist)."""
-    g = math.gcd(*quantized_in_features(spec).values())
-    divisors = [d for d in range(1, g + 1) if g % d == 0]
-    return [d for d in divisors if d >= 16] or [d for d in divisors if d > 1] or divisors
-
-
-def check_group_size(spec: ModelSpec, group_size: int) -> None:
-    """Kernels (Marlin, Machete, exllama) need whole groups; say which sizes would work instead."""
-    if group_size == -1:
-        return
-    sizes = quantized_in_features(spec)
-    if any(n % group_size for n in sizes.values()):
-        shown = ", ".join(f"{name} {n}" for name, n in sizes.items() if name != "attention" or n != sizes["hidden"])
-        valid = ", ".join(str(g) for g in valid_group_sizes(spec))
-        raise LlmoptError(
-            f"--group-size {group_size} does not divide the quantized layers' input sizes ({shown}); "
-            f"valid group sizes here: {valid}, or -1 (per channel)"
-        )
-
-
-def default_group_size(spec: ModelSpec, preferred: int) -> int:
-    """The user's group size if it fits this model, else the largest power of two <= 128 that does."""
-    if preferred == -1 or all(n % preferred == 0 for n in quantized_in_features(spec).values()):
-        return preferred
-    for g in (128, 64, 32):
-        if all(n % g == 0 for n in quantized_in_features(spec).values()):
-            return g
-    return -1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -264,7 +234,9 @@ def recommend(
             recs.append(Recommendation(kind, action, total - after, after, after <= gpu_mem))
 
     def options_with(weight: str, kv: str) -> VramPlanOptions:
-        group = opts.group_size if opts.group_size is None else default_group_size(spec, opts.group_size)
+        group = opts.group_size
+        if group is not None:  # the user's size where it fits, else 128/64/32, else per channel
+            group = default_group_size(quantized_in_features(spec).values(), group) or -1
         return opts.model_copy(update={"weight_dtype": weight, "kv_dtype": kv, "group_size": group})
 
     def total_with(weight: str, kv: str) -> int:

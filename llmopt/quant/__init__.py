@@ -45,7 +45,7 @@ from llmopt.quant.packing import pack_int32, unpack_int32
 from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx
 from llmopt.quant.rows import ConcatLinear, concat_rows, slice_rows
 from llmopt.quant.rtn import params_from_range, rtn_fake_quantize, rtn_quantize
-from llmopt.quant.scheme import QuantScheme, check_group_size, valid_group_sizes
+from llmopt.quant.scheme import QuantScheme
 from llmopt.quant.smoothquant import smoothing_scales
 
 __all__ = [
@@ -68,7 +68,6 @@ __all__ = [
     "QuantizedWeight",
     "awq_search_clip",
     "awq_search_scales",
-    "check_group_size",
     "compressed_config_group",
     "concat_rows",
     "compressed_format",
@@ -94,5 +93,4 @@ __all__ = [
     "smoothing_scales",
     "unpack_gptq",
     "unpack_int32",
-    "valid_group_sizes",
 ]

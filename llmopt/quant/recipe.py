@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmopt.group_size import W4_DEFAULT_GROUPS
 from llmopt.quant.fp8 import FP8_SCHEME
 from llmopt.quant.scheme import QuantScheme
 
@@ -20,8 +21,6 @@ Preset = Literal["w8a16", "w4a16", "fp8", "w8a8"]
 PRESETS: tuple[str, ...] = ("w8a16", "w4a16", "fp8", "w8a8")
 Method = Literal["rtn", "gptq", "awq"]
 Format = Literal["gptq", "compressed-tensors"]
-# preferred int4 group sizes when the user gives none: the first that divides every quantized input
-W4_DEFAULT_GROUPS = (128, 64, 32)
 
 
 class ModuleScheme(BaseModel):

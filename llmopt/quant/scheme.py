@@ -11,13 +11,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from llmopt.errors import LlmoptError
-
-# Group sizes are listed to users only when they are multiples of this (smaller groups waste memory
-# on scales and no kernel or format we target benefits from them).
-GROUP_SIZE_MULTIPLE = 8
-# Group sizes the int4 CPU/CUDA tinygemm kernels run natively (larger multiples of 32 are split).
-INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+from llmopt.group_size import check_group_size
 
 _SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,8 +67,9 @@ class QuantScheme(BaseModel):
         return in_features // self.effective_group_size(in_features)
 
     def check_in_features(self, in_features: int, name: str | None = None) -> None:
-        """Raise a one-line LlmoptError when the groups would be ragged."""
-        check_group_size(in_features, self.group_size, name)
+        """Raise a one-line LlmoptError when the group size is not valid for `in_features` (the rule
+        and its reasons: `llmopt.group_size`)."""
+        check_group_size({name or "this weight": in_features}, self.group_size)
 
     def describe(self) -> str:
         """Short human label, e.g. `int4 g128 sym` or `fp8 channel`."""
@@ -82,23 +77,3 @@ class QuantScheme(BaseModel):
             return "fp8 channel"
         grouping = "channel" if self.group_size == -1 else f"g{self.group_size}"
         return f"int{self.bits} {grouping} {'sym' if self.symmetric else 'asym'}"
-
-
-def valid_group_sizes(in_features: int, multiple_of: int = GROUP_SIZE_MULTIPLE) -> list[int]:
-    """Group sizes that split `in_features` into equal groups (divisors that are multiples of 8)."""
-    return [g for g in range(multiple_of, in_features + 1, multiple_of) if in_features % g == 0]
-
-
-def check_group_size(in_features: int, group_size: int, name: str | None = None) -> None:
-    """Reject ragged groups: every format and kernel we write assumes equal-sized groups."""
-    if group_size == -1 or (group_size > 0 and in_features % group_size == 0):
-        return
-    where = f" of {name}" if name else ""
-    sizes = valid_group_sizes(in_features)
-    fast = [g for g in sizes if g % 32 == 0]
-    hint = ", ".join(map(str, sizes)) or "none"
-    fast_hint = f" (int4 kernel-friendly: {', '.join(map(str, fast))})" if fast else ""
-    raise LlmoptError(
-        f"group_size {group_size} does not divide in_features {in_features}{where}; "
-        f"valid group sizes: {hint}{fast_hint}, or -1 for per-channel"
-    )

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from llmopt.errors import LlmoptError
+from llmopt.group_size import W4_DEFAULT_GROUPS, check_group_size, default_group_size
 from llmopt.layers.linear import iter_linears
-from llmopt.quant.recipe import W4_DEFAULT_GROUPS, ModuleScheme, QuantizeConfig, make_scheme
-from llmopt.quant.scheme import valid_group_sizes
+from llmopt.quant.recipe import ModuleScheme, QuantizeConfig, make_scheme
 
 UNQUANTIZED = ("lm_head",)
 
@@ -41,32 +41,26 @@ def hf_parts(model: nn.Module, name: str, module: nn.Module) -> dict[str, tuple[
 
 
 def _w4_group(cfg: QuantizeConfig, in_features: list[int]) -> tuple[int | None, str | None]:
-    """The int4 group size to use when the user gave none, and a note when it is not 128."""
+    """The int4 group size to use when the user gave none (None when only -1 fits: the preset's 128
+    then fails the check below, asking for a size), and a note when it is not 128."""
     if cfg.group_size is not None:
         return cfg.group_size, None
-    for g in W4_DEFAULT_GROUPS:
-        if all(k % g == 0 for k in in_features):
-            note = None if g == W4_DEFAULT_GROUPS[0] else (
-                f"group size {W4_DEFAULT_GROUPS[0]} does not divide every input width "
-                f"({', '.join(map(str, sorted(set(in_features))))}); using {g}")
-            return g, note
-    return None, None
+    g = default_group_size(in_features)
+    note = None if g in (None, W4_DEFAULT_GROUPS[0]) else (
+        f"group size {W4_DEFAULT_GROUPS[0]} does not divide every input width "
+        f"({', '.join(map(str, sorted(set(in_features))))}); using {g}")
+    return g, note
 
 
 def check_group_sizes(targets: list[Target]) -> None:
-    """One error for the whole model, listing group sizes that divide every quantized input width."""
-    bad = [t for t in targets if t.scheme and t.scheme.weights.group_size != -1
-           and t.in_features % t.scheme.weights.group_size]
-    if not bad:
-        return
-    gs = bad[0].scheme.weights.group_size  # type: ignore[union-attr]
-    widths = sorted({t.in_features for t in targets if t.scheme and t.scheme.weights.group_size != -1})
-    common = sorted(set.intersection(*(set(valid_group_sizes(k)) for k in widths)))
-    fast = [g for g in common if g % 32 == 0]
-    raise LlmoptError(
-        f"group size {gs} does not divide the input width {bad[0].in_features} of {next(iter(bad[0].parts))}; "
-        f"valid group sizes for this model: {', '.join(map(str, fast or common)) or 'none'}"
-        f"{' (multiples of 32 for the int4 kernels)' if fast else ''}, or -1 for per-channel")
+    """One error for the whole model: each group size in use must be valid for every input width it
+    applies to (the message names the first linear it does not divide and lists the valid sizes)."""
+    widths: dict[int, dict[str, int]] = {}  # group size -> HF name -> input width
+    for t in targets:
+        if t.scheme and not t.scheme.weights.per_channel:
+            widths.setdefault(t.scheme.weights.group_size, {})[next(iter(t.parts))] = t.in_features
+    for group_size, by_name in widths.items():
+        check_group_size(by_name, group_size)
 
 
 def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], list[str]]:

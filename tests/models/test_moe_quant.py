@@ -23,7 +23,7 @@ from llmopt.quant.targets import plan_targets
 from tests.models.families import tiny_mixtral, tiny_qwen2_moe, tiny_qwen3_moe  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-from _pipeline_helpers import calib_options, quantize_tiny  # noqa: E402
+from _pipeline_helpers import assert_transformers_loads_export, calib_options, quantize_tiny  # noqa: E402
 
 CASES = [
     ("tiny_qwen3_moe", "rtn", "compressed-tensors"),
@@ -82,30 +82,22 @@ def test_moe_quantize_export_load_generate(case, tmp_path, monkeypatch, request)
     if fmt != "compressed-tensors":
         return
     assert any("mlp.gate" in n or "block_sparse_moe.gate" in n for n in cfg["ignore"])
-    pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM
 
-    from llmopt.engine.scoring import iter_logits
+    def check_experts(hf) -> None:  # transformers decompressed exactly our expert weights into its fused tensors
+        for i in spec.moe_layers:
+            for e in range(spec.num_experts):
+                gu = modules[f"layers.{i}.mlp.experts.{e}.gate_up_proj"].qw
+                w = _hf_expert_weight(hf, i, e, "gate")
+                half = w.shape[0]
+                assert torch.equal(w, slice_rows(gu, 0, half).dequantize(w.dtype)), (i, e)
+                assert torch.equal(_hf_expert_weight(hf, i, e, "up"),
+                                   slice_rows(gu, half, 2 * half).dequantize(w.dtype))
+                down = modules[f"layers.{i}.mlp.experts.{e}.down_proj"].qw
+                assert torch.equal(_hf_expert_weight(hf, i, e, "down"), down.dequantize(w.dtype))
 
-    hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info
-    seqs = [list(range(3, 200, 7)), [5, 9, 17, 33]]
-    with torch.no_grad():  # (transformers decompresses the weights on the first forward)
-        ref = [hf(torch.tensor([s])).logits[0] for s in seqs]
-    for i in spec.moe_layers:  # transformers decompressed exactly our expert weights into its fused tensors
-        for e in range(spec.num_experts):
-            gu = modules[f"layers.{i}.mlp.experts.{e}.gate_up_proj"].qw
-            w = _hf_expert_weight(hf, i, e, "gate")
-            half = w.shape[0]
-            assert torch.equal(w, slice_rows(gu, 0, half).dequantize(w.dtype)), (i, e)
-            assert torch.equal(_hf_expert_weight(hf, i, e, "up"), slice_rows(gu, half, 2 * half).dequantize(w.dtype))
-            down = modules[f"layers.{i}.mlp.experts.{e}.down_proj"].qw
-            assert torch.equal(_hf_expert_weight(hf, i, e, "down"), down.dequantize(w.dtype))
     # transformers keeps the decompressed 3-D expert tensors in the scales' dtype (fp16) while we run
     # fp32, so the logits agree to fp16 rounding of the expert products, not to fp32 exactness
-    got = dict(iter_logits(llm.engine, seqs))
-    for i, r in enumerate(ref):
-        torch.testing.assert_close(got[i], r, atol=5e-3, rtol=1e-3)
+    assert_transformers_loads_export(out, llm, modules, check_weights=check_experts, atol=5e-3, rtol=1e-3)
 
 
 def _gptq_run(model_dir, min_expert_tokens):

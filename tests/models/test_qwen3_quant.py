@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from llmopt import LLM, SamplingParams
-from llmopt.quant.rows import slice_rows
 from tests.models.families import tiny_qwen3  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-from _pipeline_helpers import calib_options, quantize_tiny  # noqa: E402
+from _pipeline_helpers import assert_transformers_loads_export, calib_options, quantize_tiny  # noqa: E402
 
 CASES = [
     ("rtn", "compressed-tensors", {}),
@@ -40,22 +39,5 @@ def test_qwen3_quantize_export_load_generate(tiny_qwen3, tmp_path, monkeypatch, 
     assert torch.equal(model.layers[1].self_attn.k_norm.weight, src.layers[1].self_attn.k_norm.weight)
     o = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(o[0].outputs[0].token_ids) == 4
-    if fmt != "compressed-tensors":
-        return
-    pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM
-
-    from llmopt.engine.scoring import iter_logits
-
-    hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info
-    seqs = [list(range(3, 200, 7)), [5, 9, 17, 33]]
-    with torch.no_grad():  # (transformers decompresses the weights on the first forward)
-        ref = [hf(torch.tensor([s])).logits[0] for s in seqs]
-    for qm in modules.values():  # transformers decompressed exactly our weights
-        for hf_name, (lo, hi) in qm.target.parts.items():
-            w = hf.get_submodule(hf_name).weight
-            assert torch.equal(w.float(), slice_rows(qm.qw, lo, hi).dequantize(w.dtype).float()), hf_name
-    got = dict(iter_logits(llm.engine, seqs))
-    for i, r in enumerate(ref):
-        torch.testing.assert_close(got[i], r, atol=1e-5, rtol=1e-5)
+    if fmt == "compressed-tensors":
+        assert_transformers_loads_export(out, llm, modules)

@@ -275,7 +275,8 @@ def test_group_size_must_divide_and_lists_valid_sizes() -> None:
     with pytest.raises(LlmoptError) as e:
         plan("smollm2-135m", weight_dtype="int4", group_size=128)
     msg = str(e.value)
-    assert "hidden 576" in msg and "valid group sizes here: 16, 24, 32, 48, 64, 96, 192, or -1" in msg
+    assert "hidden 576" in msg and "valid group sizes: 8, 16, 24, 32, 48, 64, 96, 192 " in msg
+    assert "(multiples of 32 for the int4 kernels: 32, 64, 96, 192), or -1 (per channel)" in msg
     assert "\n" not in msg
     plan("smollm2-135m", weight_dtype="int4", group_size=-1)
     plan("smollm2-135m", weight_dtype="fp16", group_size=128)  # unused for float weights: no error
@@ -452,7 +453,7 @@ def test_cli_table(config_dir: Path) -> None:
         (["--kv-dtype", "fp4"], "unknown --kv-dtype 'fp4'"),
         (["--seq-len", "0"], "--seq-len must be at least 1"),
         (["--num-gpus", "0"], "--num-gpus must be at least 1"),
-        (["--weight-dtype", "int4", "--group-size", "128"], "valid group sizes here: 16, 24, 32"),
+        (["--weight-dtype", "int4", "--group-size", "128"], "valid group sizes: 8, 16, 24, 32"),
     ],
 )
 def test_cli_errors_are_one_line(config_dir: Path, args: list[str], needle: str) -> None:

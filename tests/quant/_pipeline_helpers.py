@@ -1,20 +1,29 @@
 """Helpers for the model-level quantization tests: run `quantize_model` on the tiny model and keep
-the QuantizedWeights it wrote, so a test can compare them with what llmopt loads back."""
+the QuantizedWeights it wrote, so a test can compare them with what llmopt loads back, and check that
+transformers loads a compressed-tensors export to the same weights and logits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
+from llmopt import LLM
+from llmopt.engine.scoring import iter_logits
 from llmopt.quant import pipeline
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.report import QuantReport
+from llmopt.quant.rows import slice_rows
 from llmopt.quant.sequential import QuantizedModule
 
 REPO = Path(__file__).resolve().parents[2]
 KB_CALIB = REPO / "calibration_data" / "kb_calibration.jsonl"
 KB_FACTS = REPO / "calibration_data" / "kb_facts.md"
+HF_SEQS = [list(range(3, 200, 7)), [5, 9, 17, 33]]
 
 
 def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[QuantReport, dict[str, QuantizedModule]]:
@@ -35,3 +44,29 @@ def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[
 
 def calib_options(num_samples: int = 6, seq_len: int = 64) -> dict[str, Any]:
     return {"calib_data": [str(KB_CALIB)], "num_samples": num_samples, "seq_len": seq_len}
+
+
+def assert_transformers_loads_export(out: Path, llm: LLM, modules: dict[str, QuantizedModule], *,
+                                     check_weights: Callable[[Any], None] | None = None,
+                                     atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """transformers (through compressed-tensors) loads the compressed-tensors export `out` with no
+    missing, unexpected or mismatched tensors, decompresses exactly the weights in `modules`, and its
+    logits on HF_SEQS match `llm`'s. `check_weights(hf)` replaces the per-HF-module weight comparison
+    (for MoE experts, which transformers fuses into 3-D tensors); skipped without compressed-tensors."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():  # (transformers decompresses the weights on the first forward)
+        ref = [hf(torch.tensor([s])).logits[0] for s in HF_SEQS]
+    if check_weights is not None:
+        check_weights(hf)
+    else:
+        for qm in modules.values():  # transformers decompressed exactly our weights
+            for hf_name, (lo, hi) in qm.target.parts.items():
+                w = hf.get_submodule(hf_name).weight
+                assert torch.equal(w.float(), slice_rows(qm.qw, lo, hi).dequantize(w.dtype).float()), hf_name
+    got = dict(iter_logits(llm.engine, HF_SEQS))
+    for i, r in enumerate(ref):
+        torch.testing.assert_close(got[i], r, atol=atol, rtol=rtol)

@@ -5,12 +5,13 @@ import torch
 from pydantic import ValidationError
 
 from llmopt.errors import LlmoptError
-from llmopt.quant import QuantScheme, check_group_size, rtn_quantize, valid_group_sizes
+from llmopt.group_size import valid_group_sizes
+from llmopt.quant import QuantScheme, rtn_quantize
 from llmopt.quant.qtensor import QuantizedWeight
 
 
 def test_valid_group_sizes_for_smollm2_hidden():
-    sizes = valid_group_sizes(576)
+    sizes = valid_group_sizes([576])
     assert 32 in sizes and 64 in sizes and 576 in sizes
     assert 128 not in sizes
     assert all(576 % g == 0 and g % 8 == 0 for g in sizes)
@@ -18,13 +19,13 @@ def test_valid_group_sizes_for_smollm2_hidden():
 
 def test_ragged_group_size_is_a_one_line_user_error_naming_valid_sizes():
     with pytest.raises(LlmoptError) as e:
-        check_group_size(576, 128, "model.layers.0.self_attn.qkv_proj")
+        QuantScheme(bits=4, group_size=128).check_in_features(576, "model.layers.0.self_attn.qkv_proj")
     msg = str(e.value)
     assert "\n" not in msg
     assert "128" in msg and "576" in msg and "qkv_proj" in msg
     assert "32" in msg and "64" in msg
-    check_group_size(576, 64)
-    check_group_size(576, -1)
+    QuantScheme(bits=4, group_size=64).check_in_features(576)
+    QuantScheme(bits=4, group_size=-1).check_in_features(576)
     with pytest.raises(LlmoptError):
         rtn_quantize(torch.randn(8, 576), QuantScheme(bits=4, group_size=128))
 

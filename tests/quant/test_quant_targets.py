@@ -62,7 +62,8 @@ def test_w4_default_group_falls_back_with_a_note_and_explicit_128_fails():
     with pytest.raises(LlmoptError) as e:
         plan_targets(model, _cfg(scheme="w4a16", group_size=128))
     msg = str(e.value)
-    assert "valid group sizes for this model: 32, 64, 96, 192" in msg and "\n" not in msg
+    assert "valid group sizes: 8, 16, 24, 32, 48, 64, 96, 192 (multiples of 32 for the int4 kernels: 32, 64, 96, 192)" \
+        in msg and "or -1 (per channel)" in msg and "\n" not in msg
 
 
 def test_ignore_override_and_fused_rule(tiny_llama):

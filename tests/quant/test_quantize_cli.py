@@ -34,7 +34,8 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("args, msg", [
     (["--scheme", "w3a16"], "invalid scheme"),
-    (["--scheme", "w4a16", "--group-size", "48"], "valid group sizes for this model: 32, 64"),
+    (["--scheme", "w4a16", "--group-size", "48"],
+     "valid group sizes: 8, 16, 32, 64 (multiples of 32 for the int4 kernels: 32, 64), or -1 (per channel)"),
     (["--scheme", "w4a16", "--calib", "no-such-dir", "--method", "gptq"], "no-such-dir"),
     (["--scheme", "w4a16", "--ignore", "(["], "bad regex"),
     (["--scheme", "w4a16", "--override", "v_proj=w8a16"], "must share a scheme"),
