@@ -44,11 +44,15 @@ class KVObserver:
 
     quantized = False  # whole-window prefills then read K/V straight from the layer, never from the pool
     dtype = None
+    num_groups = 1
 
     def __init__(self, num_layers: int, num_kv_heads: int) -> None:
         self.k_absmax = torch.zeros(num_layers, num_kv_heads)
         self.v_absmax = torch.zeros(num_layers, num_kv_heads)
         self.enabled = True
+
+    def locate(self, layer: int) -> tuple[int, KVObserver, int]:
+        return 0, self, layer
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         if not self.enabled:
@@ -70,7 +74,7 @@ def embed_batches(model: CausalLM, windows: torch.Tensor, batch_windows: int,
         ids = windows[start:start + batch_windows].to(dev)
         b = ids.shape[0]
         flat = ids.reshape(-1)
-        meta = attn.build_metadata(KVObserver(0, 0), [([i], 0, seq_len) for i in range(b)], [])
+        meta = attn.build_metadata(KVObserver(0, 0), [([[i]], 0, seq_len) for i in range(b)], [])
         positions = torch.arange(seq_len, device=dev).repeat(b)
         batches.append(CalibBatch(positions, model.rotary(positions), meta, model.embed(flat).to(dtype), None))
     return batches

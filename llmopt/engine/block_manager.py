@@ -4,17 +4,23 @@ A full block is identified by a chained hash of (parent block's hash, its own to
 block i implies the whole prefix up to i matches; the tokens are verified on every hit anyway, because
 Python's hash can collide. Blocks freed with a hash stay resident as evictable cache, evicted LRU.
 
-When every attention layer slides over the same `window` (Mistral's `sliding_window`), a block whose
+When every layer of the pool slides over the same `window` (Mistral's `sliding_window`, or the
+sliding group of a model that mixes full and sliding layers, see kv_cache_manager.py), a block whose
 positions no later query can see is given back as the sequence advances (`release_out_of_window`), so
 a sequence holds about window / block_size blocks however long it gets, as vLLM and llama.cpp do. Its
-table keeps the entry (positions stay where they are); attention masks it out.
+table keeps the entry (positions stay where they are); attention masks it out. One manager keeps one
+KV group's table of each sequence (`Sequence.kv_table(group)`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from llmopt.engine.sequence import Sequence
+from llmopt.engine.sequence import BlockTable, Sequence
+
+# the table entry of a block a sequence never took or gave back (it left a sliding window): any valid
+# block id works, because attention masks those positions out
+NO_BLOCK = 0
 
 
 class Block:
@@ -29,8 +35,10 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 release_window: int | None = None):
-        """`release_window`: the window every attention layer slides over (None: keep every block)."""
+                 release_window: int | None = None, group: int = 0):
+        """`release_window`: the window every layer of this pool slides over (None: keep every block).
+        `group`: which of a sequence's block tables this manager keeps (`Sequence.kv_table`)."""
+        self.group = group
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -75,16 +83,27 @@ class BlockManager:
             return []
         max_full = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        bs = self.block_size
         for i, h in enumerate(self._block_hashes(seq, max_full)):
-            bid = self.hash_to_block.get(h)
+            bid = self._cached(seq, i, h)
             if bid is None:
                 break
-            block = self.blocks[bid]
-            if block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
-                break  # hash collision: treat as a miss
             hits.append(bid)
         return hits
+
+    def cached_run(self, seq: Sequence, start: int, end: int) -> list[int] | None:
+        """The cached blocks for the sequence's full blocks start..end-1, or None if one is missing."""
+        hashes = self._block_hashes(seq, end)
+        run = [self._cached(seq, i, hashes[i]) for i in range(start, end)]
+        return None if None in run else run  # type: ignore[return-value]
+
+    def _cached(self, seq: Sequence, i: int, h: int) -> int | None:
+        bid = self.hash_to_block.get(h)
+        if bid is None:
+            return None
+        bs = self.block_size
+        if self.blocks[bid].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            return None  # hash collision: treat as a miss
+        return bid
 
     def _cacheable(self, seq: Sequence) -> bool:
         return self.enable_prefix_caching and seq.params.prompt_logprobs is None
@@ -103,35 +122,40 @@ class BlockManager:
         return self.prefix_queries - q0, self.prefix_hits - h0
 
     # ---- allocation ---------------------------------------------------------
-    def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
-        """Can a new sequence take `hits` from the cache and hold `num_tokens` tokens in total?"""
+    def can_allocate(self, hits: list[int], num_tokens: int, skipped: int = 0) -> bool:
+        """Can a new sequence take `hits` from the cache and hold `num_tokens` tokens in total?
+        `skipped`: leading blocks it never takes (they left a sliding window before the hits)."""
         from_evictable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        fresh = self.blocks_needed(num_tokens) - len(hits)
+        fresh = self.blocks_needed(num_tokens) - skipped - len(hits)
         return fresh + from_evictable <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int, skipped: int = 0) -> None:
+        """Give `seq` the cached `hits` (after `skipped` leading entries that stay released) and fresh
+        blocks up to `num_tokens`; the hit positions count as computed."""
         for bid in hits:
             block = self.blocks[bid]
             if block.ref_count == 0:
                 self.evictable.pop(bid, None)
             block.ref_count += 1
-        seq.block_table = list(hits)
-        seq.num_hashed_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
+        t = seq.kv_table(self.group)
+        t.blocks = [NO_BLOCK] * skipped + list(hits)
+        t.num_hashed = t.num_released = skipped
+        t.num_hashed += len(hits)
+        seq.num_computed_tokens = len(t.blocks) * self.block_size
         seq.metrics.num_cached_tokens = seq.num_computed_tokens
-        self._grow(seq, num_tokens)
+        self._grow(t, num_tokens)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.kv_table(self.group).blocks)
         return need <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+        self._grow(seq.kv_table(self.group), seq.num_computed_tokens + num_new_tokens)
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+    def _grow(self, t: BlockTable, num_tokens: int) -> None:
+        need = self.blocks_needed(num_tokens) - len(t.blocks)
         for _ in range(need):
-            seq.block_table.append(self._take_free())
+            t.blocks.append(self._take_free())
 
     def _take_free(self) -> int:
         if self.free_ids:
@@ -152,18 +176,19 @@ class BlockManager:
         """Register blocks whose tokens are all computed, so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if num_full <= seq.num_hashed_blocks:
+        t = seq.kv_table(self.group)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(t.blocks))
+        if num_full <= t.num_hashed:
             return
         hashes = self._block_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(seq.num_hashed_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
+        for i in range(t.num_hashed, num_full):
+            block = self.blocks[t.blocks[i]]
             if hashes[i] not in self.hash_to_block:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 self.hash_to_block[hashes[i]] = block.block_id
-        seq.num_hashed_blocks = num_full
+        t.num_hashed = num_full
 
     def _release(self, bid: int) -> None:
         block = self.blocks[bid]
@@ -179,11 +204,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks. Tail blocks are released first so they are evicted first."""
-        for bid in reversed(seq.block_table[seq.num_released_blocks:]):
+        t = seq.kv_table(self.group)
+        for bid in reversed(t.blocks[t.num_released:]):
             self._release(bid)
-        seq.block_table = []
-        seq.num_hashed_blocks = 0
-        seq.num_released_blocks = 0
+        t.blocks = []
+        t.num_hashed = t.num_released = 0
         seq.num_computed_tokens = 0
         seq.spec.draft_computed = 0
 
@@ -193,11 +218,12 @@ class BlockManager:
         after `commit_full_blocks`, so a released full block stays in the prefix cache (evictable)."""
         if self.release_window is None:
             return
+        t = seq.kv_table(self.group)
         first_seen = seq.num_computed_tokens - self.release_window + 1
-        upto = min(max(0, first_seen) // self.block_size, len(seq.block_table))
-        for i in range(seq.num_released_blocks, upto):
-            self._release(seq.block_table[i])
-        seq.num_released_blocks = max(seq.num_released_blocks, upto)
+        upto = min(max(0, first_seen) // self.block_size, len(t.blocks))
+        for i in range(t.num_released, upto):
+            self._release(t.blocks[i])
+        t.num_released = max(t.num_released, upto)
 
     def reset_prefix_cache(self) -> None:
         """Drop every evictable cached block (used by benchmarks to compare cold runs)."""

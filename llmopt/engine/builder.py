@@ -14,11 +14,12 @@ import torch
 from llmopt.devices import resolve_device
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.config import EngineConfig
+from llmopt.engine.hybrid_block_manager import HybridBlockManager
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.structured_output import StructuredOutputCompiler
 from llmopt.errors import LlmoptError
-from llmopt.layers.attention import PagedKVCache, get_backend
+from llmopt.layers.attention import GroupedKVCache, PagedKVCache, get_backend
 from llmopt.models.base import CausalLM
 from llmopt.models.loader import load_model, parse_dtype
 from llmopt.models.resolve import ResolvedModel, resolve_model, weights_dir
@@ -40,7 +41,7 @@ class EngineParts:
     tokenizer: object
     eos_token_ids: list[int]
     structured_outputs: StructuredOutputCompiler
-    kv_cache: PagedKVCache
+    kv_cache: PagedKVCache | GroupedKVCache
     kv_cache_bytes: int
     num_blocks: int
     max_model_len: int
@@ -69,23 +70,18 @@ def build_engine(config: EngineConfig) -> EngineParts:
     kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     bs = config.block_size
     attn = get_backend(device, bs, not config.enforce_eager)
-    per_block = attn.bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
     sc = config.speculative
-    draft, draft_dtype = (None, None)
+    draft, draft_dtype, draft_bytes = None, None, 0
     if sc is not None and sc.method == "draft":
         draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
-        ds = draft.spec  # the draft's pool mirrors the target's block for block
-        per_block += attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
-    num_blocks = _num_blocks(config, s, device, per_block)
-    kv_cache = attn.make_cache(s.num_layers, num_blocks, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
+        ds = draft.spec  # the draft's pool mirrors the target's (group 0) block for block
+        draft_bytes = attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
+    kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
+                                                             draft is not None)
     if kv_scales is not None and kv_cache.quantized:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
     limit = config.max_model_len or s.max_position_embeddings
     max_model_len = min(limit, s.max_position_embeddings, num_blocks * bs)
-    # blocks out of every layer's window go back to the pool; not with a separate draft model, whose
-    # catch-up may start earlier and whose own layers may attend to everything
-    release = None if draft is not None else s.uniform_window
-    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, release)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           config.enable_chunked_prefill, config.scheduling_policy)
     runner = ModelRunner(model, kv_cache, attn)
@@ -94,8 +90,43 @@ def build_engine(config: EngineConfig) -> EngineParts:
         dcache = attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype)
         draft_runner = ModelRunner(draft, dcache, attn)
     return EngineParts(resolved, s, device, dtype, model, wdir, tokenizer, eos, structured, kv_cache,
-                       per_block * num_blocks, num_blocks, max_model_len, block_manager, scheduler, runner,
-                       draft_runner)
+                       kv_bytes, num_blocks, max_model_len, block_manager, scheduler, runner, draft_runner)
+
+
+def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: torch.dtype, kv_dtype: str,
+             draft_bytes: int, has_draft: bool):
+    """The KV pool and its block manager: (cache, manager, group 0's blocks, bytes).
+
+    One pool for most models. A model that mixes full and sliding layers gets one per KV group: the
+    full layers' sized as usual, each sliding group's for what max_num_seqs sequences see of the window
+    plus one step's new tokens (never more blocks than group 0). A draft model's pool mirrors group 0."""
+    groups = s.kv_groups
+    bs = c.block_size
+    sizes = [attn.bytes_per_block(len(layers), s.num_kv_heads, s.head_dim, dtype, kv_dtype) for _, layers in groups]
+    sizes[0] += draft_bytes
+    if len(groups) == 1:
+        n = _num_blocks(c, s, device, sizes[0])
+        # blocks out of every layer's window go back to the pool; not with a separate draft model, whose
+        # catch-up may start earlier and whose own layers may attend to everything
+        release = None if has_draft else groups[0][0]
+        cache = attn.make_cache(s.num_layers, n, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
+        return cache, BlockManager(n, bs, c.enable_prefix_caching, release), n, sizes[0] * n
+    caps = [c.max_num_seqs * (-(-w // bs) + 2) + -(-c.max_num_batched_tokens // bs) for w, _ in groups[1:]]
+    sliding_bytes = sum(cap * size for cap, size in zip(caps, sizes[1:], strict=True))
+    try:
+        n0 = _num_blocks(c, s, device, sizes[0], reserved=sliding_bytes)
+    except LlmoptError:  # the sliding pools' caps alone exceed the memory
+        n0 = 0
+    if n0 < max(caps) and not c.num_kv_blocks:  # too little memory for the caps: equal block counts
+        n0 = _num_blocks(c, s, device, sum(sizes))
+    counts = [n0] + [min(n0, cap) for cap in caps]
+    cache = attn.make_grouped_cache([list(layers) for _, layers in groups], counts, s.num_kv_heads, s.head_dim,
+                                    dtype, kv_dtype)
+    managers = [BlockManager(n, bs, c.enable_prefix_caching, w, group=g)
+                for g, ((w, _), n) in enumerate(zip(groups, counts, strict=True))]
+    managers[0].release_window = None  # group 0 keeps every block (a draft model mirrors its tables)
+    manager = HybridBlockManager(managers[0], managers[1:])
+    return cache, manager, n0, sum(n * size for n, size in zip(counts, sizes, strict=True))
 
 
 def compute_dtype(requested: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
@@ -121,18 +152,18 @@ def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
     return load_model(resolved, dtype, device), dtype
 
 
-def _num_blocks(c: EngineConfig, spec: ModelSpec, device: torch.device, per_block: int) -> int:
-    """KV pool size: what the config asks for, else what memory allows, capped at what max_num_seqs
-    full-length sequences can use."""
+def _num_blocks(c: EngineConfig, spec: ModelSpec, device: torch.device, per_block: int, reserved: int = 0) -> int:
+    """KV pool size: what the config asks for, else what memory allows (less `reserved` bytes, for
+    other pools), capped at what max_num_seqs full-length sequences can use."""
     if c.num_kv_blocks:
         return c.num_kv_blocks
     if c.kv_cache_memory is not None:
-        n = c.kv_cache_memory // per_block
+        n = (c.kv_cache_memory - reserved) // per_block
     elif device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        n = int(free * 0.85 - 1024**3) // per_block
+        n = int(free * 0.85 - 1024**3 - reserved) // per_block
     else:
-        n = DEFAULT_CPU_KV_MEMORY // per_block
+        n = (DEFAULT_CPU_KV_MEMORY - reserved) // per_block
     if c.kv_cache_memory is None:
         max_len = min(c.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         n = min(n, c.max_num_seqs * -(-max_len // c.block_size))

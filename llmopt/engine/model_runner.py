@@ -78,7 +78,7 @@ class ModelRunner:
             c = seq.num_computed_tokens
             drafts = seq.spec.tokens
             if n > 1:
-                chunks.append((seq.block_table, c, (seq.token_ids + drafts if drafts else seq.token_ids)[c:c + n]))
+                chunks.append((seq.block_tables, c, (seq.token_ids + drafts if drafts else seq.token_ids)[c:c + n]))
             last = min(c + n, seq.num_prompt_tokens - 1)  # position p's logits score prompt token p + 1
             if seq.params.prompt_logprobs is not None and last > c:
                 prompt_rows.append((seq, row, c, last - c))
@@ -88,7 +88,7 @@ class ModelRunner:
                 logit_rows.append(row + n - 1)
                 sample_seqs.append(seq)
             row += n
-        ids, pos, meta = self._layout(chunks, [(s.block_table, s.num_computed_tokens, s.token_ids[s.num_computed_tokens])
+        ids, pos, meta = self._layout(chunks, [(s.block_tables, s.num_computed_tokens, s.token_ids[s.num_computed_tokens])
                                                for s, _ in decodes])
         return ModelInput(ids, pos, meta, logit_rows, sample_seqs, spec_rows, prompt_rows, meta.num_prefill_tokens,
                           len(decodes))
@@ -101,7 +101,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def greedy_next(self, items: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> list[int]:
-        """Draft proposals: for each (block_table, start, tokens), run `tokens` at positions start.. over
+        """Draft proposals: for each (block tables, start, tokens), run `tokens` at positions start.. over
         the cached context before `start`, write their K/V, and return the argmax after the last one.
 
         Single tokens go through the batched decode path, longer runs (a draft model catching up on

@@ -21,6 +21,18 @@ class SequenceStatus(enum.Enum):
 _counter = itertools.count()
 
 
+class BlockTable:
+    """A sequence's blocks in one KV group (see block_manager.py): the table, how many leading entries
+    are in the prefix cache, and how many were given back after leaving a sliding window."""
+
+    __slots__ = ("blocks", "num_hashed", "num_released")
+
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        self.num_hashed = 0
+        self.num_released = 0
+
+
 class Sequence:
     """Tokens = prompt + generated. `num_computed_tokens` of them have their K/V in the cache."""
 
@@ -32,9 +44,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
-        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
-        self.num_released_blocks = 0  # leading blocks given back because they left the sliding window
+        # one BlockTable per KV group: the full-attention layers' first (or every layer's), then, for a
+        # model that mixes full and sliding layers, the sliding layers'
+        self.kv_tables: list[BlockTable] = [BlockTable()]
         self.block_hashes: list[int] = []  # chained hashes of full blocks, computed lazily
         self.status = SequenceStatus.WAITING
         self.params = params
@@ -53,6 +65,25 @@ class Sequence:
         self.prefix_offset = 0
         self.read_offset = 0
         self.sent_text_len = 0
+
+    def kv_table(self, group: int) -> BlockTable:
+        while len(self.kv_tables) <= group:
+            self.kv_tables.append(BlockTable())
+        return self.kv_tables[group]
+
+    @property
+    def block_table(self) -> list[int]:
+        """KV group 0's blocks (the only group of most models)."""
+        return self.kv_tables[0].blocks
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Every KV group's blocks, group 0 first: what attention metadata is built from."""
+        return [t.blocks for t in self.kv_tables]
+
+    @property
+    def num_released_blocks(self) -> int:
+        return self.kv_tables[0].num_released
 
     @property
     def num_tokens(self) -> int:

@@ -161,12 +161,13 @@ class ModelSpec(BaseModel):
         return None
 
     @property
-    def uniform_window(self) -> int | None:
-        """The window when every layer slides over the same one (Mistral), else None (Gemma 3 mixes
-        full layers in, which need every position)."""
-        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
-            return self.sliding_window
-        return None
+    def kv_groups(self) -> list[tuple[int | None, tuple[int, ...]]]:
+        """(window, layers) of the layers that share a KV pool: one group when every layer has the same
+        window (full, or Mistral's sliding one); else the full layers first, then the sliding ones
+        (Gemma 3), whose pool is sized for the window instead of the context."""
+        windows = [self.attention_window(i) for i in range(self.num_layers)]
+        order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order]
 
     @property
     def q_size(self) -> int:

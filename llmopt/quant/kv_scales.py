@@ -8,7 +8,7 @@ int8 paged KV cache, so only it reads this file; every other tool loads the weig
 there (and runs its own KV cache: vLLM `--kv-cache-dtype auto|fp8`).
 
 Layout (version 1): scales per layer and KV head, x ≈ q · scale with q = round(x / scale) clamped to
-[−127, 127] (see llmopt/layers/kv_cache.py), K taken after RoPE:
+[−127, 127] (see llmopt/layers/attention/paged_kv_cache.py), K taken after RoPE:
 
     {"format": "llmopt-kv-cache-scales", "version": 1, "dtype": "int8",
      "num_layers": L, "num_kv_heads": H, "k_scale": [[...H] × L], "v_scale": [[...H] × L]}

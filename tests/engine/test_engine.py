@@ -70,9 +70,9 @@ def test_decode_groups_split_by_context_length_and_keep_results(tiny_llama):
     base = LLM(str(tiny_llama), dtype="float32")
     runner = base.engine.runner
     lens = [400] * 9 + [150] * 9 + [60] * 3
-    groups = runner.attn_backend.decode_groups([[0] * 25] * len(lens), lens)
+    groups = runner.attn_backend.decode_groups([[[0] * 25]] * len(lens), lens)
     assert [g.size for g in groups] == [9, 12]  # the 3 shortest are too few for a group of their own
-    assert groups[1].blocks.shape == (12, 10) and groups[1].mask.sum() == 9 * 150 + 3 * 60
+    assert groups[1].blocks[0].shape == (12, 10) and groups[1].mask.sum() == 9 * 150 + 3 * 60
     seen: list[int] = []
     base.engine.stat_listeners.append(lambda s: seen.append(s.batch_size))
     prompts = (_prompts(base.engine.spec.vocab_size, 10, seed=3, lo=300, hi=400)

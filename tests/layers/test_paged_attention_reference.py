@@ -47,7 +47,7 @@ def _run_step(backend, attn, cache, prefills, decodes) -> list[torch.Tensor]:
         q.append(s.q[a:b]), k.append(s.k[a:b]), v.append(s.v[a:b])
     for s, p in decodes:
         q.append(s.q[p:p + 1]), k.append(s.k[p:p + 1]), v.append(s.v[p:p + 1])
-    meta = backend.build_metadata(cache, [(s.table, a, b) for s, a, b in prefills], [(s.table, p) for s, p in decodes])
+    meta = backend.build_metadata(cache, [([s.table], a, b) for s, a, b in prefills], [([s.table], p) for s, p in decodes])
     out = attn(torch.cat(q), torch.cat(k), torch.cat(v), cache, meta)
     sizes = [b - a for _, a, b in prefills] + [1] * len(decodes)
     return list(out.split(sizes))

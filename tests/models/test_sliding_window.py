@@ -98,23 +98,13 @@ def test_causal_attention_honours_the_window(offset):
     assert torch.allclose(out.float(), ref, atol=3e-2)
 
 
-def _held_blocks(seq) -> int:
-    return len(seq.block_table) - seq.num_released_blocks
+def _held_blocks(seq, group: int = 0) -> int:
+    t = seq.kv_table(group)
+    return len(t.blocks) - t.num_released
 
 
-@pytest.mark.parametrize("spec_method", [None, "ngram"])
-def test_sliding_window_blocks_stay_bounded_while_decoding(tiny_mistral_sw, tiny_qwen3_mixed, spec_method):  # noqa: F811
-    """Every layer of the tiny Mistral slides over 16 positions: with 4-token blocks a sequence holds at
-    most 16/4 + 2 blocks (the window, the block it writes into, the one its first visible position
-    straddles; speculation's drafts may take one more), however long it decodes; the output stays
-    transformers'. A model that mixes in a full layer keeps every block."""
-    from llmopt.engine.spec_decode import SpeculativeConfig
-
-    prompt = _prompts(100, 1, seed=5, lo=60, hi=60)[0]
-    n_out = 120
-    ref = hf_greedy(tiny_mistral_sw, [prompt], n_out)[0]
-    spec = None if spec_method is None else SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    llm = LLM(str(tiny_mistral_sw), dtype="float32", block_size=4, max_num_batched_tokens=16, speculative=spec)
+def _decode_one(llm, prompt, n_out):
+    """Decode one request step by step: its output and, after each step, its blocks held per KV group."""
     eng = llm.engine
     rid = eng.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=n_out,
                                                                           ignore_eos=True))
@@ -124,17 +114,56 @@ def test_sliding_window_blocks_stay_bounded_while_decoding(tiny_mistral_sw, tiny
         for o in eng.step():
             out = o.outputs[0].token_ids
         if not seq.is_finished:
-            held.append(_held_blocks(seq))
-            released = seq.num_released_blocks
-            bm = eng.block_manager
-            assert bm.num_blocks - bm.num_free_blocks == _held_blocks(seq)  # released blocks are free again
+            held.append([_held_blocks(seq, g) for g in range(len(seq.kv_tables))])
+            released = max(t.num_released for t in seq.kv_tables)
+    return out, held, released
+
+
+def _assert_pools_clean(bm) -> None:
+    for m in getattr(bm, "sliding", []) + [getattr(bm, "full", bm)]:
+        assert all(b.ref_count == 0 for b in m.blocks) and m.num_free_blocks == m.num_blocks
+
+
+@pytest.mark.parametrize("spec_method", [None, "ngram"])
+def test_sliding_window_blocks_stay_bounded_while_decoding(tiny_mistral_sw, spec_method):  # noqa: F811
+    """Every layer of the tiny Mistral slides over 16 positions: with 4-token blocks a sequence holds at
+    most 16/4 + 2 blocks (the window, the block it writes into, the one its first visible position
+    straddles; speculation's drafts may take one more), however long it decodes; the output stays
+    transformers'."""
+    from llmopt.engine.spec_decode import SpeculativeConfig
+
+    prompt = _prompts(100, 1, seed=5, lo=60, hi=60)[0]
+    n_out = 120
+    ref = hf_greedy(tiny_mistral_sw, [prompt], n_out)[0]
+    spec = None if spec_method is None else SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    llm = LLM(str(tiny_mistral_sw), dtype="float32", block_size=4, max_num_batched_tokens=16, speculative=spec)
+    out, held, released = _decode_one(llm, prompt, n_out)
     assert out == ref
-    assert len(prompt) + n_out > 40 * 4 and max(held) <= WINDOW // 4 + 2 + (spec is not None)
+    assert len(prompt) + n_out > 40 * 4 and max(h[0] for h in held) <= WINDOW // 4 + 2 + (spec is not None)
     assert released > 30
-    bm = eng.block_manager
-    assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_blocks
-    mixed = LLM(str(tiny_qwen3_mixed), dtype="float32", block_size=4)
-    assert mixed.engine.block_manager.release_window is None
+    _assert_pools_clean(llm.engine.block_manager)
+
+
+def test_mixed_full_and_sliding_layers_get_two_pools(tiny_qwen3_mixed):  # noqa: F811
+    """Layers 0 and 2 of the tiny Qwen3 slide over 16 positions, layer 1 attends to everything: the
+    sliding layers get their own pool and give back what left the window, the full layer keeps every
+    block; output, prefix-cache hits and a second request stay transformers'."""
+    prompt = _prompts(100, 1, seed=7, lo=60, hi=60)[0]
+    n_out = 120
+    ref = hf_greedy(tiny_qwen3_mixed, [prompt], n_out)[0]
+    llm = LLM(str(tiny_qwen3_mixed), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    cache = llm.engine.kv_cache
+    assert cache.num_groups == 2 and cache.layer_groups == [[1], [0, 2]]
+    out, held, released = _decode_one(llm, prompt, n_out)
+    assert out == ref
+    assert max(h[1] for h in held) <= WINDOW // 4 + 2 and released > 30
+    assert held[-1][0] == -(-(len(prompt) + n_out - 1) // 4)  # group 0: every block of the context
+    _assert_pools_clean(llm.engine.block_manager)
+    bm = llm.engine.block_manager
+    hits = bm.prefix_hits
+    assert token_ids(llm, [prompt], SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)) == [ref]
+    assert bm.prefix_hits > hits  # the sliding pool still had the window's blocks of the cached prefix
+    _assert_pools_clean(bm)
 
 
 def test_released_blocks_still_serve_prefix_hits(tiny_mistral_sw):  # noqa: F811

@@ -38,10 +38,10 @@ class ModelProposer:
             items = []
             for s in active:
                 if j > 0:
-                    items.append((s.block_table, s.num_tokens - 1 + j, [s.spec.tokens[j - 1]]))
+                    items.append((s.block_tables, s.num_tokens - 1 + j, [s.spec.tokens[j - 1]]))
                 else:  # the separate draft first catches up on the tokens it has not cached
                     start = min(s.spec.draft_computed, s.num_tokens - 1) if own_cache else s.num_tokens - 1
-                    items.append((s.block_table, start, s.token_ids[start:]))
+                    items.append((s.block_tables, start, s.token_ids[start:]))
             for s, t in zip(active, self.runner.greedy_next(items, self.num_layers), strict=True):
                 s.spec.tokens[j] = t
         if own_cache:

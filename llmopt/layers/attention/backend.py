@@ -20,11 +20,11 @@ from llmopt.layers import compiled as kernels
 if TYPE_CHECKING:
     from llmopt.layers.attention.layer import PagedAttention
 
-# one prefill chunk as scheduled: (block table, first position, end position); the chunk's tokens are
-# positions first..end-1 and it attends to positions 0..end-1
-PrefillItem = tuple[list[int], int, int]
-# one decode token: (block table, its position)
-DecodeItem = tuple[list[int], int]
+# one prefill chunk as scheduled: (the sequence's block table per KV group, first position, end position);
+# the chunk's tokens are positions first..end-1 and it attends to positions 0..end-1
+PrefillItem = tuple[list[list[int]], int, int]
+# one decode token: (block table per KV group, its position)
+DecodeItem = tuple[list[list[int]], int]
 
 
 @dataclass
@@ -54,6 +54,12 @@ class AttentionBackend(ABC):
     def make_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    kv_cache_dtype: str = "auto"):
         """The KV pool in this backend's layout."""
+
+    @abstractmethod
+    def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
+        """One pool per KV group (`layer_groups[g]` are its layers), for models that mix full and
+        sliding layers; a pool has `num_blocks[g]` blocks."""
 
     @abstractmethod
     def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

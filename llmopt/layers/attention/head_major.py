@@ -4,9 +4,10 @@ Its pool is `PagedKVCache`, laid out [heads, slots, head_dim] per layer. Tokens 
 flattened: first the prefill chunks (one sequence each, several query tokens), then the decode tokens
 (one query token each). Decodes run in groups of similar context length, each one block gather and two
 grouped matmuls; each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix
-(on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers the whole
-block table and its mask hides what fell out of the window; when every layer slides, the block manager
-has given those blocks back (their table entries then point at blocks others may reuse: read, masked).
+(on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers its KV
+group's whole block table and its mask hides what fell out of the window: the block manager has given
+those blocks back (their table entries point at a placeholder block: read, masked). Every item comes with
+one block table per KV group (`GroupedKVCache`); each layer reads its group's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from llmopt.layers import compiled as kernels
 from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, PrefillItem
+from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
 from llmopt.layers.attention.layer import PagedAttention
 from llmopt.layers.attention.paged_kv_cache import PagedKVCache
@@ -55,6 +57,12 @@ class HeadMajorBackend(AttentionBackend):
         return PagedKVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype, self.device,
                             kv_cache_dtype)
 
+    def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads, head_dim, dtype,
+                           kv_cache_dtype="auto") -> GroupedKVCache:
+        pools = [self.make_cache(len(layers), n, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+                 for layers, n in zip(layer_groups, num_blocks, strict=True)]
+        return GroupedKVCache(pools, layer_groups)
+
     def bytes_per_block(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto") -> int:
         return PagedKVCache.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
 
@@ -64,35 +72,40 @@ class HeadMajorBackend(AttentionBackend):
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def build_metadata(self, cache, prefills: list[PrefillItem], decodes: list[DecodeItem]) -> HeadMajorMetadata:
-        slots: list[int] = []
+        """Each item carries one block table per KV group (`cache.num_groups` of them are read)."""
+        n_groups = cache.num_groups
+        slots: list[list[int]] = [[] for _ in range(n_groups)]
         chunks = []
-        for table, start, end in prefills:
-            slots.extend(self._slots(table, start, end))
-            chunks.append(self._prefill_chunk(table, start, end, cache.quantized))
-        num_prefill = len(slots)
-        for table, pos in decodes:
-            slots.extend(self._slots(table, pos, pos + 1))
-        meta = HeadMajorMetadata(self, torch.tensor(slots, dtype=torch.long, device=self.device), num_prefill,
-                                 self.use_compiled(cache.dtype, len(slots)), prefills=chunks)
+        for tables, start, end in prefills:
+            for g in range(n_groups):
+                slots[g].extend(self._slots(tables[g], start, end))
+            chunks.append(self._prefill_chunk(tables[:n_groups], start, end, cache.quantized))
+        num_prefill = len(slots[0])
+        for tables, pos in decodes:
+            for g in range(n_groups):
+                slots[g].extend(self._slots(tables[g], pos, pos + 1))
+        mappings = [torch.tensor(s, dtype=torch.long, device=self.device) for s in slots]
+        meta = HeadMajorMetadata(self, mappings[0], num_prefill, self.use_compiled(cache.dtype, num_prefill + len(decodes)),
+                                 slot_mappings=mappings, prefills=chunks)
         if decodes:
-            meta.decode_groups = self.decode_groups([t for t, _ in decodes], [p + 1 for _, p in decodes])
+            meta.decode_groups = self.decode_groups([t[:n_groups] for t, _ in decodes], [p + 1 for _, p in decodes])
         return meta
 
-    def _prefill_chunk(self, table: list[int], start: int, end: int, quantized: bool) -> PrefillChunk:
+    def _prefill_chunk(self, tables: list[list[int]], start: int, end: int, quantized: bool) -> PrefillChunk:
         """Tokens start..end-1 of one sequence as a chunk: a whole context (start 0) attends to its own
         K/V and needs no gather (unless the cache is int8); a later chunk reads the cached context
-        through its slots with a causal mask offset by `start`."""
+        through its slots (per KV group) with a causal mask offset by `start`."""
         dev = self.device
         if start == 0 and not quantized:
-            return PrefillChunk(end, end, torch.empty(0, dtype=torch.long), None)
-        ctx_slots = torch.tensor(self._slots(table, 0, end), dtype=torch.long, device=dev)
+            return PrefillChunk(end, end, [], None)
+        ctx_slots = [torch.tensor(self._slots(t, 0, end), dtype=torch.long, device=dev) for t in tables]
         if start == 0:
             return PrefillChunk(end, end, ctx_slots, None)
         q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
         k_pos = torch.arange(end, device=dev).unsqueeze(0)
         return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
 
-    def decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
+    def decode_groups(self, tables: list[list[list[int]]], ctx_lens: list[int]) -> list[DecodeGroup]:
         """Split decodes into groups whose shortest context is at least half their longest, so each
         group's K/V gather pads little; tiny groups join the previous one (a group costs a few kernel
         launches per layer). The runner sorts decodes by decreasing context, so groups are long runs."""
@@ -105,27 +118,31 @@ class HeadMajorBackend(AttentionBackend):
         bounds.append(len(ctx_lens))
         return [self._decode_group(tables[a:b], ctx_lens[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def _decode_group(self, tables: list[list[int]], ctx_lens: list[int]) -> DecodeGroup:
+    def _decode_group(self, tables: list[list[list[int]]], ctx_lens: list[int]) -> DecodeGroup:
+        """`tables[i][g]`: sequence i's block table in KV group g."""
         bs, dev = self.block_size, self.device
         max_blocks = -(-max(ctx_lens) // bs)
-        bt = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables],
-                          dtype=torch.long, device=dev)
+        per_group = [torch.tensor([t[g][:max_blocks] + [0] * (max_blocks - len(t[g][:max_blocks])) for t in tables],
+                                  dtype=torch.long, device=dev) for g in range(len(tables[0]))]
         p = torch.arange(max_blocks * bs, device=dev)
         lens = torch.tensor(ctx_lens, device=dev)
-        return DecodeGroup(len(tables), bt, (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs))
+        return DecodeGroup(len(tables), per_group,
+                           (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs))
 
     # ---- forward ------------------------------------------------------------
-    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
                 meta: HeadMajorMetadata) -> torch.Tensor:
-        cache.write(layer.layer_idx, k, v, meta.slot_mapping)
+        """`cache`: a PagedKVCache or GroupedKVCache; the layer's KV group picks its pool and slots."""
+        g, pool, idx = cache.locate(layer.layer_idx)
+        pool.write(idx, k, v, meta.slot_mappings[g])
         outs = []
         start = 0
         for i, chunk in enumerate(meta.prefills):
             end = start + chunk.q_len
-            if chunk.mask is None and not cache.quantized:
+            if chunk.mask is None and not pool.quantized:
                 kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
-                kc, vc = cache.read(layer.layer_idx, chunk.slots)  # [Hkv, ctx, D]
+                kc, vc = pool.read(idx, chunk.slots[g])  # [Hkv, ctx, D]
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
             if meta.compiled and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
                 outs.append(kernels.call(True, causal_attention, q[start:end], kc, vc, layer.scale,
@@ -135,7 +152,7 @@ class HeadMajorBackend(AttentionBackend):
             start = end
         for i, group in enumerate(meta.decode_groups):
             mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
-            outs.append(_decode(layer, q[start:start + group.size], cache, group.blocks, mask))
+            outs.append(_decode(layer, q[start:start + group.size], pool, idx, group.blocks[g], mask))
             start += group.size
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
@@ -152,14 +169,14 @@ def _prefill_sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: to
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
-def _decode(layer: PagedAttention, q: torch.Tensor, cache: PagedKVCache, blocks: torch.Tensor,
+def _decode(layer: PagedAttention, q: torch.Tensor, pool: PagedKVCache, idx: int, blocks: torch.Tensor,
             mask: torch.Tensor) -> torch.Tensor:
     """One query token per sequence: two batched matmuls with the query heads grouped by KV head,
     over K/V gathered block-wise in [Hkv, B, C, D] (the matmuls read them without a transposed copy).
     For a single query, CPU SDPA spends ~4x longer than this (measured at batch 48, 400 tokens)."""
     b = q.shape[0]
     hkv, g, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
-    k, v = cache.read_blocks(layer.layer_idx, blocks)  # [Hkv, B, C, D]
+    k, v = pool.read_blocks(idx, blocks)  # [Hkv, B, C, D]
     qg = q.view(b, hkv, g, d).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * layer.scale  # [Hkv, B, G, C]
     scores = scores.masked_fill(~mask, float("-inf"))

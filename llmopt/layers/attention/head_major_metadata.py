@@ -19,7 +19,7 @@ from llmopt.layers.attention.backend import AttentionMetadata
 class PrefillChunk:
     q_len: int
     ctx_len: int  # cached prefix + this chunk
-    slots: torch.Tensor  # [ctx_len] cache slots of the whole context
+    slots: list[torch.Tensor]  # per KV group: [ctx_len] cache slots of the whole context (empty: not read)
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context
 
 
@@ -28,12 +28,13 @@ class DecodeGroup:
     """Decode sequences of similar context length, attended together (padding only to the group's max)."""
 
     size: int  # sequences (consecutive decode rows)
-    blocks: torch.Tensor  # [size, max_blocks] block tables (padding -> block 0)
+    blocks: list[torch.Tensor]  # per KV group: [size, max_blocks] block tables (padding -> block 0)
     mask: torch.Tensor  # [1, size, 1, max_blocks * block_size] bool, True = attend
 
 
 @dataclass
 class HeadMajorMetadata(AttentionMetadata):
+    slot_mappings: list[torch.Tensor] = field(default_factory=list)  # per KV group ([0] is slot_mapping)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the decode rows, in order
     window_masks: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # see window_*_mask

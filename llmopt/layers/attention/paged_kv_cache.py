@@ -36,6 +36,12 @@ class PagedKVCache:
         self.static_k_scale: torch.Tensor | None = None
         self.static_v_scale: torch.Tensor | None = None
 
+    num_groups = 1  # one KV group: every layer's K/V in this pool (see GroupedKVCache for several)
+
+    def locate(self, layer: int) -> tuple[int, PagedKVCache, int]:
+        """(KV group, pool, layer index in that pool) of model layer `layer`."""
+        return 0, self, layer
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:

@@ -1,0 +1,123 @@
+"""HybridBlockManager: the block managers of a model that mixes full and sliding-window layers.
+
+Gemma 3 slides over 512 positions on 5 of every 6 layers. One pool holding every layer per block
+would keep the sliding layers' K/V for the whole context, so those layers get their own pool (a second
+KV group, as vLLM's hybrid allocator does): group 0 holds the full layers and keeps every block;
+each sliding group gives back what left its window, so its memory per sequence is bounded by the
+window. Each group has its own BlockManager and its own table in every sequence
+(`Sequence.kv_table(g)`); this class gives the scheduler, the engine and scoring the single
+BlockManager interface they use.
+
+Prefix caching spans the groups: a prefix of n blocks is a hit only if group 0 has all n and each
+sliding group still has the blocks the first computed query sees (those in its window before position
+n·block_size); earlier sliding blocks are never taken (`skipped`), as they would be released at once.
+"""
+
+from __future__ import annotations
+
+from llmopt.engine.block_manager import BlockManager
+from llmopt.engine.sequence import Sequence
+
+
+class PrefixHit(list):
+    """Group 0's cached blocks (a list, like BlockManager's hits) plus each sliding group's
+    (skipped leading blocks, cached blocks) for the same prefix."""
+
+    def __init__(self, full: list[int], sliding: list[tuple[int, list[int]]]):
+        super().__init__(full)
+        self.sliding = sliding
+
+
+class HybridBlockManager:
+    def __init__(self, full: BlockManager, sliding: list[BlockManager]):
+        assert full.group == 0 and all(m.release_window for m in sliding)
+        self.full, self.sliding = full, sliding
+        self.block_size = full.block_size
+        self.enable_prefix_caching = full.enable_prefix_caching
+        self.release_window = None  # group 0 keeps every block
+
+    # ---- what the engine reads: group 0's pool, the binding usage -------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
+
+    @property
+    def blocks(self):
+        return self.full.blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.full.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return max(m.usage for m in (self.full, *self.sliding))
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.full.prefix_hits
+
+    @property
+    def prefix_queries(self) -> int:
+        return self.full.prefix_queries
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.full.blocks_needed(num_tokens)
+
+    def take_prefix_counts(self) -> tuple[int, int]:
+        return self.full.take_prefix_counts()
+
+    def count_prefix_lookup(self, seq: Sequence, hits: list[int]) -> None:
+        self.full.count_prefix_lookup(seq, hits)
+
+    # ---- prefix lookup and allocation -------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        full = self.full.lookup_prefix(seq)
+        bs = self.block_size
+        for n in range(len(full), 0, -1):
+            runs = []
+            for m in self.sliding:
+                first = max(0, n * bs - m.release_window + 1) // bs  # type: ignore[operator]
+                run = m.cached_run(seq, first, n)
+                if run is None:
+                    break
+                runs.append((first, run))
+            else:
+                return PrefixHit(full[:n], runs)
+        return PrefixHit([], [(0, []) for _ in self.sliding])
+
+    def _sliding_hits(self, hits: list[int]) -> list[tuple[int, list[int]]]:
+        return hits.sliding if isinstance(hits, PrefixHit) else [(0, [])] * len(self.sliding)
+
+    def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
+        return self.full.can_allocate(hits, num_tokens) and all(
+            m.can_allocate(run, num_tokens, skipped) for m, (skipped, run) in zip(self.sliding, self._sliding_hits(hits),
+                                                                                  strict=True))
+
+    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        for m, (skipped, run) in zip(self.sliding, self._sliding_hits(hits), strict=True):
+            m.allocate(seq, run, num_tokens, skipped)
+        self.full.allocate(seq, hits, num_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return all(m.can_append(seq, num_new_tokens) for m in (self.full, *self.sliding))
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        for m in (self.full, *self.sliding):
+            m.append(seq, num_new_tokens)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        for m in (self.full, *self.sliding):
+            m.commit_full_blocks(seq)
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        for m in self.sliding:
+            m.release_out_of_window(seq)
+
+    def free(self, seq: Sequence) -> None:
+        for m in (*self.sliding, self.full):
+            m.free(seq)
+
+    def reset_prefix_cache(self) -> None:
+        for m in (self.full, *self.sliding):
+            m.reset_prefix_cache()

@@ -1,0 +1,33 @@
+"""GroupedKVCache: one PagedKVCache per KV group, for models that mix full and sliding-window layers.
+
+Each group's pool holds only its own layers and has its own number of blocks: the sliding layers' pool
+is sized for the window, not the context (engine/hybrid_block_manager.py hands out its blocks). Layers
+find their pool with `locate`; each sequence has one block table per group, and the attention metadata
+one slot mapping and block table per group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.layers.attention.paged_kv_cache import PagedKVCache
+
+
+class GroupedKVCache:
+    def __init__(self, pools: list[PagedKVCache], layer_groups: list[list[int]]):
+        """`layer_groups[g]`: the model layers whose K/V live in `pools[g]`, in pool order."""
+        self.pools = pools
+        self.layer_groups = layer_groups
+        self._where = {layer: (g, i) for g, layers in enumerate(layer_groups) for i, layer in enumerate(layers)}
+        self.num_groups = len(pools)
+        self.quantized = pools[0].quantized
+        self.dtype = pools[0].dtype
+
+    def locate(self, layer: int) -> tuple[int, PagedKVCache, int]:
+        g, i = self._where[layer]
+        return g, self.pools[g], i
+
+    def set_static_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Calibrated [num_layers, num_kv_heads] scales, split by group."""
+        for pool, layers in zip(self.pools, self.layer_groups, strict=True):
+            pool.set_static_scales(k_scale[layers], v_scale[layers])
