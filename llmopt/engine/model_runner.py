@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.engine.argmax import argmax
 from llmopt.engine.model_input import ModelInput
 from llmopt.engine.sampler import SamplingRow, sample
 from llmopt.engine.sequence import Sequence
@@ -111,7 +112,7 @@ class ModelRunner:
         inp = self._prepare_draft(items)
         hidden = self.forward(inp, num_layers)
         rows = torch.tensor(inp.logits_indices, device=hidden.device)
-        picked = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        picked = argmax(self.model.compute_logits(hidden[rows])).tolist()
         out = [0] * len(items)
         for i, t in zip(self._draft_order(items), picked, strict=True):
             out[i] = t

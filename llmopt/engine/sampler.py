@@ -1,7 +1,7 @@
 """Sampler: grammar masks, logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds and
 logprobs.
 
-Rows that are greedy and need nothing else take a plain argmax (the common fast path). Sampling uses the
+Rows that are greedy and need nothing else take a plain argmax (the common fast path; engine/argmax.py). Sampling uses the
 exponential-race trick (argmax of p / E with E ~ Exp(1)), which equals a categorical draw and lets each
 request use its own seeded generator.
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.engine.argmax import argmax
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.structured_output import GrammarMatcher, mask_rows
 
@@ -79,9 +80,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     g_idx = [i for i, g in enumerate(greedy) if g]
     if g_idx:
         if len(g_idx) == len(rows):
-            chosen = logits.argmax(dim=-1)
+            chosen = argmax(logits)
         else:
-            chosen[g_idx] = logits[g_idx].argmax(dim=-1)
+            chosen[g_idx] = argmax(logits[g_idx])
     s_idx = [i for i, g in enumerate(greedy) if not g]
     if s_idx:
         chosen[s_idx] = _sample_rows(logits[s_idx], [rows[i] for i in s_idx])

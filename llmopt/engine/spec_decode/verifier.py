@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.engine.argmax import argmax
 from llmopt.engine.sampler import processed_probs
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.structured_output import GrammarMatcher, draft_masks
@@ -29,7 +30,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
         logits = logits.clone()
         draft_masks(grammar, drafts, logits)
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = argmax(logits).tolist()
         out = []
         for i, d in enumerate(drafts):
             if d != target[i]:

@@ -1,0 +1,30 @@
+"""Row-wise argmax over a vocabulary, several times faster than `torch.argmax` on CPU.
+
+Greedy decoding takes an argmax over every sampled row's logits each step. On a CPU torch's argmax
+kernel runs about ten times slower than `amax` over the same data (measured at [64, 262144] float32,
+1 thread: 40 ms against 4 ms), which for Gemma 3's 262k vocabulary was about a tenth of a batched
+step. So: each block's max (vectorized `amax`), the first block holding the row's max, then an argmax
+inside that one block. The result equals `torch.argmax`, ties going to the first index; rows with a
+NaN, and vocabularies that are not a multiple of the block, take `torch.argmax` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128  # Llama 3 (128256), Qwen (151936), Gemma 3 (262144) and SmolLM2 (49152) split evenly
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] long: the first index of each row's maximum."""
+    n, vocab = logits.shape
+    if vocab % BLOCK or vocab < 4 * BLOCK or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    blocks = logits.view(n, vocab // BLOCK, BLOCK)
+    block_max = blocks.amax(dim=-1)  # [N, V/BLOCK]
+    row_max = block_max.amax(dim=-1, keepdim=True)
+    if torch.isnan(row_max).any():
+        return logits.argmax(dim=-1)
+    first = (block_max == row_max).int().argmax(dim=-1)  # the first block that holds the maximum
+    inside = blocks[torch.arange(n, device=logits.device), first].argmax(dim=-1)
+    return first * BLOCK + inside
