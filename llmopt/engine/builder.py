@@ -110,6 +110,7 @@ def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: t
         # catch-up may start earlier and whose own layers may attend to everything
         release = None if has_draft else groups[0][0]
         cache = attn.make_cache(s.num_layers, n, s.num_kv_heads, s.head_dim, dtype, kv_dtype)
+        cache.windows = [groups[0][0]]
         return cache, BlockManager(n, bs, c.enable_prefix_caching, release), n, sizes[0] * n
     caps = [c.max_num_seqs * (-(-w // bs) + 2) + -(-c.max_num_batched_tokens // bs) for w, _ in groups[1:]]
     sliding_bytes = sum(cap * size for cap, size in zip(caps, sizes[1:], strict=True))
@@ -121,7 +122,7 @@ def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: t
         n0 = _num_blocks(c, s, device, sum(sizes))
     counts = [n0] + [min(n0, cap) for cap in caps]
     cache = attn.make_grouped_cache([list(layers) for _, layers in groups], counts, s.num_kv_heads, s.head_dim,
-                                    dtype, kv_dtype)
+                                    dtype, kv_dtype, [w for w, _ in groups])
     managers = [BlockManager(n, bs, c.enable_prefix_caching, w, group=g)
                 for g, ((w, _), n) in enumerate(zip(groups, counts, strict=True))]
     managers[0].release_window = None  # group 0 keeps every block (a draft model mirrors its tables)

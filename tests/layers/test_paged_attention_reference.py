@@ -73,6 +73,7 @@ def test_paged_attention_equals_dense_sdpa(backend_name, device, window, kv_cach
     if not backend.supports(torch.device(device)):
         pytest.skip(f"{backend_name} does not run on {device}")
     cache = backend.make_cache(1, NUM_BLOCKS, HKV, D, torch.float32, kv_cache_dtype)
+    cache.windows = [window]  # a sliding pool: decodes gather only the blocks still in a window
     attn = PagedAttention(0, H, HKV, D, window=window)
     got = {i: [] for i in range(len(seqs))}
     # step 1: whole first chunks; step 2: chunks over the cached prefix; then one decode per step

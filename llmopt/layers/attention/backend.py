@@ -57,9 +57,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads: int,
-                           head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
-        """One pool per KV group (`layer_groups[g]` are its layers), for models that mix full and
-        sliding layers; a pool has `num_blocks[g]` blocks."""
+                           head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                           windows: list[int | None] | None = None):
+        """One pool per KV group (`layer_groups[g]` are its layers, sliding over `windows[g]`), for
+        models that mix full and sliding layers; a pool has `num_blocks[g]` blocks."""
 
     @abstractmethod
     def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

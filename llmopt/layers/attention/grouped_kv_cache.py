@@ -14,8 +14,11 @@ from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 
 
 class GroupedKVCache:
-    def __init__(self, pools: list[PagedKVCache], layer_groups: list[list[int]]):
-        """`layer_groups[g]`: the model layers whose K/V live in `pools[g]`, in pool order."""
+    def __init__(self, pools: list[PagedKVCache], layer_groups: list[list[int]],
+                 windows: list[int | None] | None = None):
+        """`layer_groups[g]`: the model layers whose K/V live in `pools[g]`, in pool order; `windows[g]`:
+        the window they slide over (None: full attention)."""
+        self.windows = windows or [None] * len(pools)
         self.pools = pools
         self.layer_groups = layer_groups
         self._where = {layer: (g, i) for g, layers in enumerate(layer_groups) for i, layer in enumerate(layers)}

@@ -58,10 +58,10 @@ class HeadMajorBackend(AttentionBackend):
                             kv_cache_dtype)
 
     def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads, head_dim, dtype,
-                           kv_cache_dtype="auto") -> GroupedKVCache:
+                           kv_cache_dtype="auto", windows: list[int | None] | None = None) -> GroupedKVCache:
         pools = [self.make_cache(len(layers), n, num_kv_heads, head_dim, dtype, kv_cache_dtype)
                  for layers, n in zip(layer_groups, num_blocks, strict=True)]
-        return GroupedKVCache(pools, layer_groups)
+        return GroupedKVCache(pools, layer_groups, windows)
 
     def bytes_per_block(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto") -> int:
         return PagedKVCache.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
@@ -88,7 +88,8 @@ class HeadMajorBackend(AttentionBackend):
         meta = HeadMajorMetadata(self, mappings[0], num_prefill, self.use_compiled(cache.dtype, num_prefill + len(decodes)),
                                  slot_mappings=mappings, prefills=chunks)
         if decodes:
-            meta.decode_groups = self.decode_groups([t[:n_groups] for t, _ in decodes], [p + 1 for _, p in decodes])
+            meta.decode_groups = self.decode_groups([t[:n_groups] for t, _ in decodes], [p + 1 for _, p in decodes],
+                                                    cache.windows)
         return meta
 
     def _prefill_chunk(self, tables: list[list[int]], start: int, end: int, quantized: bool) -> PrefillChunk:
@@ -105,7 +106,8 @@ class HeadMajorBackend(AttentionBackend):
         k_pos = torch.arange(end, device=dev).unsqueeze(0)
         return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
 
-    def decode_groups(self, tables: list[list[list[int]]], ctx_lens: list[int]) -> list[DecodeGroup]:
+    def decode_groups(self, tables: list[list[list[int]]], ctx_lens: list[int],
+                      windows: list[int | None] | None = None) -> list[DecodeGroup]:
         """Split decodes into groups whose shortest context is at least half their longest, so each
         group's K/V gather pads little; tiny groups join the previous one (a group costs a few kernel
         launches per layer). The runner sorts decodes by decreasing context, so groups are long runs."""
@@ -116,18 +118,24 @@ class HeadMajorBackend(AttentionBackend):
         if len(bounds) > 1 and len(ctx_lens) - bounds[-1] < MIN_DECODE_GROUP:
             bounds.pop()
         bounds.append(len(ctx_lens))
-        return [self._decode_group(tables[a:b], ctx_lens[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        windows = windows or [None] * len(tables[0])
+        return [self._decode_group(tables[a:b], ctx_lens[a:b], windows)
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def _decode_group(self, tables: list[list[list[int]]], ctx_lens: list[int]) -> DecodeGroup:
-        """`tables[i][g]`: sequence i's block table in KV group g."""
+    def _decode_group(self, tables: list[list[list[int]]], ctx_lens: list[int],
+                      windows: list[int | None]) -> DecodeGroup:
+        """`tables[i][g]`: sequence i's block table in KV group g. A sliding group's gather starts at the
+        first block any of the group's queries still sees (`starts`), so its work is bounded by the window."""
         bs, dev = self.block_size, self.device
         max_blocks = -(-max(ctx_lens) // bs)
-        per_group = [torch.tensor([t[g][:max_blocks] + [0] * (max_blocks - len(t[g][:max_blocks])) for t in tables],
-                                  dtype=torch.long, device=dev) for g in range(len(tables[0]))]
+        starts = [0 if w is None else min(max(0, n - w) // bs for n in ctx_lens) for w in windows]
+        per_group = [torch.tensor([t[g][lo:max_blocks] + [0] * (max_blocks - len(t[g][:max_blocks]))
+                                   for t in tables], dtype=torch.long, device=dev)
+                     for g, lo in enumerate(starts)]
         p = torch.arange(max_blocks * bs, device=dev)
         lens = torch.tensor(ctx_lens, device=dev)
         return DecodeGroup(len(tables), per_group,
-                           (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs))
+                           (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs), starts)
 
     # ---- forward ------------------------------------------------------------
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
@@ -152,6 +160,8 @@ class HeadMajorBackend(AttentionBackend):
             start = end
         for i, group in enumerate(meta.decode_groups):
             mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
+            if group.starts[g]:  # a sliding group gathers from the first block still in a window
+                mask = mask[..., group.starts[g] * self.block_size:]
             outs.append(_decode(layer, q[start:start + group.size], pool, idx, group.blocks[g], mask))
             start += group.size
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -30,6 +30,8 @@ class DecodeGroup:
     size: int  # sequences (consecutive decode rows)
     blocks: list[torch.Tensor]  # per KV group: [size, max_blocks] block tables (padding -> block 0)
     mask: torch.Tensor  # [1, size, 1, max_blocks * block_size] bool, True = attend
+    # per KV group: the first block its `blocks` hold (a sliding group skips what left every window)
+    starts: list[int] = field(default_factory=list)
 
 
 @dataclass

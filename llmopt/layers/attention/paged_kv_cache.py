@@ -37,6 +37,7 @@ class PagedKVCache:
         self.static_v_scale: torch.Tensor | None = None
 
     num_groups = 1  # one KV group: every layer's K/V in this pool (see GroupedKVCache for several)
+    windows: list[int | None] = [None]  # the window all its layers slide over, if they do (set by the engine)
 
     def locate(self, layer: int) -> tuple[int, PagedKVCache, int]:
         """(KV group, pool, layer index in that pool) of model layer `layer`."""
