@@ -87,7 +87,10 @@ class HybridBlockManager:
         return PrefixHit([], [(0, []) for _ in self.sliding])
 
     def _sliding_hits(self, hits: list[int]) -> list[tuple[int, list[int]]]:
-        return hits.sliding if isinstance(hits, PrefixHit) else [(0, [])] * len(self.sliding)
+        if isinstance(hits, PrefixHit):
+            return hits.sliding
+        assert not hits, "cached blocks come from lookup_prefix (a PrefixHit), which also finds the sliding ones"
+        return [(0, [])] * len(self.sliding)
 
     def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
         return self.full.can_allocate(hits, num_tokens) and all(

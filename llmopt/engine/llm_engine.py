@@ -178,6 +178,8 @@ class LLMEngine:
             if not seq.spec.tokens:  # a speculating sequence advances by what the verifier accepted
                 seq.num_computed_tokens += n
                 bm.commit_full_blocks(seq)
+                # drafts trimmed away by the budget: the draft model's cache beyond this holds guesses
+                seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
         for seq, start, entries in res.prompt_logprobs:  # any of the n sequences (each computes them all)
             self.requests[seq.request_id].prompt_logprobs[start:start + len(entries)] = entries
         now = time.perf_counter()

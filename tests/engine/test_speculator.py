@@ -71,3 +71,13 @@ def test_record_counts_adapts_k_and_disables_a_poor_request():
     assert seq.spec.k == 3 and seq.spec.disabled and c.disabled_requests == 1
     spec.propose([seq])
     assert seq.spec.tokens == []
+
+
+def test_discard_clamps_every_sequence_draft_cache():
+    """A sequence whose drafts the budget trimmed away holds none but its draft model may have cached
+    guesses past the last real token: discard clamps it too."""
+    spec = _speculator()
+    a = _decode([1, 2, 1])
+    a.spec.draft_computed = a.num_tokens + 3  # guesses cached, drafts already gone
+    spec.discard([a])
+    assert a.spec.draft_computed == a.num_computed_tokens

@@ -77,9 +77,8 @@ class Speculator:
         """Drop proposed drafts (speculation was turned off): the sequences decode plainly next step.
         The draft model's cache stays valid up to the last real token."""
         for seq in running:
-            if seq.spec.tokens:
-                seq.spec.tokens = []
-                seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
+            seq.spec.tokens = []
+            seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
 
     def record(self, seq: Sequence, num_accepted: int) -> None:
         """Book a verified round and clear the sequence's drafts: counters, adapted k, dynamic disable."""
