@@ -172,6 +172,12 @@ class BlockManager:
         block.ref_count = 1
         return bid
 
+    def record_progress(self, seq: Sequence) -> None:
+        """After a step computed more of `seq`: commit its newly full blocks to the prefix cache, then
+        give back those that left the window (a released full block stays cached, evictable)."""
+        self.commit_full_blocks(seq)
+        self.release_out_of_window(seq)
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register blocks whose tokens are all computed, so later requests can reuse them."""
         if not self.enable_prefix_caching:

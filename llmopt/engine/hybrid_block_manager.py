@@ -109,13 +109,9 @@ class HybridBlockManager:
         for m in (self.full, *self.sliding):
             m.append(seq, num_new_tokens)
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
+    def record_progress(self, seq: Sequence) -> None:
         for m in (self.full, *self.sliding):
-            m.commit_full_blocks(seq)
-
-    def release_out_of_window(self, seq: Sequence) -> None:
-        for m in self.sliding:
-            m.release_out_of_window(seq)
+            m.record_progress(seq)
 
     def free(self, seq: Sequence) -> None:
         for m in (*self.sliding, self.full):

@@ -177,9 +177,8 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if not seq.spec.tokens:  # a speculating sequence advances by what the verifier accepted
                 seq.num_computed_tokens += n
-                bm.commit_full_blocks(seq)
-                # drafts trimmed away by the budget: the draft model's cache beyond this holds guesses
-                seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
+                bm.record_progress(seq)  # full blocks to the prefix cache, blocks out of a window back
+                seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)  # drafts trimmed
         for seq, start, entries in res.prompt_logprobs:  # any of the n sequences (each computes them all)
             self.requests[seq.request_id].prompt_logprobs[start:start + len(entries)] = entries
         now = time.perf_counter()
@@ -200,11 +199,8 @@ class LLMEngine:
                 if speculated:
                     # the draft model's cache holds the accepted drafts; what follows is recomputed next round
                     seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
-                    bm.commit_full_blocks(seq)
+                    bm.record_progress(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
-        for seq, _ in sched.scheduled:
-            if not seq.is_finished:
-                bm.release_out_of_window(seq)  # a sliding-window model's blocks no query sees again
         return [self.outputs.make_output(req) for req in touched.values()]
 
     def _expire_deadlines(self, now: float) -> None:
