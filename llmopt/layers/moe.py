@@ -162,23 +162,3 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
         return out
-        order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        self.last_counts = counts
-        slot_weights = weights.reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0 and e not in self.calibrate_all:
-                continue
-            slots = order[start:start + n]
-            start += n
-            tokens = slots // self.top_k
-            if e in self.calibrate_all:
-                y = self.experts[e](x, compiled)[tokens]
-            else:
-                y = self.experts[e](x[tokens], compiled)
-            out.index_add_(0, tokens, y * slot_weights[slots, None])
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
-        return out
