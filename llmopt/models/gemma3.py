@@ -23,7 +23,7 @@ from llmopt.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from llmopt.layers.norm import OffsetRMSNorm
 from llmopt.layers.rotary import OnTheFlyRotary
 from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
-from llmopt.models.llama import LlamaAttention, LlamaMLP
+from llmopt.models.llama import LlamaAttention, LlamaMLP, input_norm
 from llmopt.models.spec import ModelSpec
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh_and_mul, "silu": silu_and_mul}
@@ -67,11 +67,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, cache, meta):
         """Returns (branch output, residual): the caller's next norm adds them (as llama's layers do)."""
         fast = meta.compiled
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden, compiled=fast)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, compiled=fast)
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual, fast)
         hidden = self.self_attn(rope[self.rope_index], hidden, cache, meta)
         hidden = self.post_attention_layernorm(hidden, compiled=fast)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual, compiled=fast)

@@ -23,6 +23,14 @@ from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
 from llmopt.models.spec import ModelSpec
 
 
+def input_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, compiled: bool):
+    """A decoder layer's first norm: the first layer starts the residual stream with its input, the
+    others add the previous layer's branch output into it (one fused add + norm). Returns (normed, residual)."""
+    if residual is None:
+        return norm(hidden, compiled=compiled), hidden
+    return norm(hidden, residual, compiled=compiled)
+
+
 class LlamaAttention(nn.Module):
     norm_class: type[nn.Module] = RMSNorm  # of the q/k norms (Gemma 3: the (1+w) OffsetRMSNorm)
 
@@ -87,11 +95,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, cache, meta):
         """`rope` is the (cos, sin) pair for this step's positions, see `CausalLM.build_rotary`."""
         fast = meta.compiled
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden, compiled=fast)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, compiled=fast)
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual, fast)
         hidden = self.self_attn(rope, hidden, cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual, compiled=fast)
         return self.mlp(hidden, compiled=fast), residual
