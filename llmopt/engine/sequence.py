@@ -82,10 +82,6 @@ class Sequence:
         return [t.blocks for t in self.kv_tables]
 
     @property
-    def num_released_blocks(self) -> int:
-        return self.kv_tables[0].num_released
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

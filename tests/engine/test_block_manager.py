@@ -93,16 +93,16 @@ def test_release_out_of_window_gives_back_blocks_no_query_sees_and_keeps_them_ca
     _run_to_computed(bm, a)
     assert len(a.block_table) == 4 and bm.num_free_blocks == 4
     bm.release_out_of_window(a)
-    assert a.num_released_blocks == 2 and bm.num_free_blocks == 6 and len(bm.evictable) == 2
+    assert a.kv_table(0).num_released == 2 and bm.num_free_blocks == 6 and len(bm.evictable) == 2
     bm.release_out_of_window(a)  # idempotent
-    assert a.num_released_blocks == 2 and bm.num_free_blocks == 6
+    assert a.kv_table(0).num_released == 2 and bm.num_free_blocks == 6
     b = _seq(list(range(8)) + [99, 98])
     assert bm.lookup_prefix(b) == a.block_table[:2]  # released, still a prefix hit
     bm.free(a)
     assert bm.num_free_blocks == 8 and all(blk.ref_count == 0 for blk in bm.blocks)
-    assert a.num_released_blocks == 0
+    assert a.kv_table(0).num_released == 0
     keep = BlockManager(num_blocks=8, block_size=4)  # no window: nothing is released
     c = _seq(list(range(14)))
     _run_to_computed(keep, c)
     keep.release_out_of_window(c)
-    assert c.num_released_blocks == 0 and keep.num_free_blocks == 4
+    assert c.kv_table(0).num_released == 0 and keep.num_free_blocks == 4
