@@ -20,6 +20,7 @@ from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.structured_output import StructuredOutputCompiler
 from llmopt.errors import LlmoptError
 from llmopt.layers.attention import GroupedKVCache, PagedKVCache, get_backend
+from llmopt.layers.packed_linear import pack_linears
 from llmopt.models.base import CausalLM
 from llmopt.models.loader import load_model, parse_dtype
 from llmopt.models.resolve import ResolvedModel, resolve_model, weights_dir
@@ -76,6 +77,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
         ds = draft.spec  # the draft's pool mirrors the target's (group 0) block for block
         draft_bytes = attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
+    if not config.enforce_eager:  # bf16/fp16 on a CPU: weights packed once for oneDNN (faster decode)
+        pack_linears(model)
+        if draft is not None:
+            pack_linears(draft)
     kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
                                                              draft is not None)
     if kv_scales is not None and kv_cache.quantized:

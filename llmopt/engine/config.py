@@ -23,7 +23,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
-    # True: never use the TorchInductor kernels of llmopt.layers.compiled (bf16/fp16 prefill on CPU)
+    # True: plain eager torch: no TorchInductor kernels (llmopt.layers.compiled, bf16/fp16 prefill on CPU)
+    # and no oneDNN-packed weights (llmopt.layers.packed_linear, bf16/fp16 on CPU)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -110,8 +110,8 @@ def restored_layers(candidate: LLMEngine, baseline: LLMEngine, layers: list[int]
 def _weights_differ(candidate: LLMEngine, baseline: LLMEngine) -> bool:
     if candidate.resolved.quantization_config is not None:
         return True
-    a = dict(candidate.model.named_parameters())
-    b = dict(baseline.model.named_parameters())
+    a = candidate.model.state_dict()  # not named_parameters: packed CPU weights are no parameters
+    b = baseline.model.state_dict()
     if a.keys() != b.keys():
         return True
     return any(not torch.equal(a[k].float(), b[k].to(a[k].device).float()) for k in a)
