@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.llmopt-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench clean interop bench-peers
+.PHONY: install demo test test-fast lint bench clean interop bench-peers quant-peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ bench-peers: install
 	bash benchmarks/peers/install_llamacpp.sh
 	bash benchmarks/peers/install_vllm.sh
 	$(PY) benchmarks/peers/run_peers.py $(PEERS_ARGS)
+
+# Not part of `make test`: installs llm-compressor into .peers/llmcompressor, then its RTN/GPTQ/AWQ against ours on
+# the same windows; writes the table into docs/QUANTIZE.md (QUANT_PEERS_ARGS="--only awq --reuse" for a part)
+quant-peers: install
+	bash benchmarks/peers/install_llmcompressor.sh
+	$(PY) benchmarks/peers/quant_peers.py --write-doc $(QUANT_PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -487,13 +487,14 @@ def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], si
 BEGIN, END = "<!-- peers:begin (written by benchmarks/peers/run_peers.py --write-doc) -->", "<!-- peers:end -->"
 
 
-def replace_doc_section(doc: str, block: str, heading: str = "## Peers") -> str:
-    """`doc` with the text between the peers markers replaced by `block`; the markers are appended to the Peers
-    section (created at the end when missing) the first time. Nothing else in the file changes."""
-    body = f"{BEGIN}\n{block.rstrip()}\n{END}"
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        return head + body + rest.split(END, 1)[1]
+def replace_doc_section(doc: str, block: str, heading: str = "## Peers", markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """`doc` with the text between the `markers` replaced by `block`; the markers are appended to the
+    `heading` section (created at the end when missing) the first time. Nothing else in the file changes."""
+    begin, end_marker = markers
+    body = f"{begin}\n{block.rstrip()}\n{end_marker}"
+    if begin in doc and end_marker in doc:
+        head, rest = doc.split(begin, 1)
+        return head + body + rest.split(end_marker, 1)[1]
     lines = doc.split("\n")
     start = next((i for i, ln in enumerate(lines) if ln.strip() == heading or ln.startswith(heading + " ")), None)
     if start is None:

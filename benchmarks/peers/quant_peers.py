@@ -2,6 +2,7 @@
 
     benchmarks/peers/install_llmcompressor.sh          # once: llm-compressor in .peers/llmcompressor
     .venv/bin/python benchmarks/peers/quant_peers.py [--only rtn gptq awq] [--md out.md] [--json out.json]
+    make quant-peers                                   # both, every default row, table into docs/QUANTIZE.md
 
 One protocol for every checkpoint:
 
@@ -40,18 +41,24 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from llmopt.io import write_text_atomic  # noqa: E402
+
 MODEL = "smollm2-135m"
 DATA = {"wikitext2": ROOT.parent / "shared/data/wikitext2-valid.txt",
         "tinyshakespeare": ROOT.parent / "shared/data/tinyshakespeare.txt"}
 CALIB = [str(ROOT / "calibration_data/general_prose.jsonl"), str(ROOT / "calibration_data/kb_calibration.jsonl")]
 WORKER = Path(__file__).with_name("llmcompressor_worker.py")
 INSTALL = Path(__file__).with_name("install_llmcompressor.sh")
+DOC = ROOT / "docs/QUANTIZE.md"
+DOC_MARKERS = ("<!-- quant-peers:begin (written by benchmarks/peers/quant_peers.py --write-doc) -->",
+               "<!-- quant-peers:end -->")
 
 # label -> (tool, method, options); llmopt options are QuantizeConfig fields, llm-compressor options go
 # to the worker (GPTQModifier's actorder default is "static": act-order with static groups, our
 # --act-order default; AWQModifier uses its default mappings for llama, then QuantizationModifier).
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llm-compressor RTN": ("llmcompressor", "rtn", {}),
+    "llm-compressor RTN (mse observer)": ("llmcompressor", "rtn", {"observer": "mse"}),
     "llmopt RTN": ("llmopt", "rtn", {}),
     "llm-compressor GPTQ (actorder static)": ("llmcompressor", "gptq", {"actorder": "static"}),
     "llmopt GPTQ act-order": ("llmopt", "gptq", {"act_order": True}),
@@ -60,7 +67,6 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 # more rows, run only when --only names them
 EXTRA: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llm-compressor RTN (mse observer)": ("llmcompressor", "rtn", {"observer": "mse"}),
     "llm-compressor GPTQ (no actorder)": ("llmcompressor", "gptq", {"actorder": None}),
     "llmopt GPTQ": ("llmopt", "gptq", {}),
     "llmopt GPTQ act-order mse": ("llmopt", "gptq", {"act_order": True, "mse": True}),
@@ -237,9 +243,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--calib", nargs="+", default=CALIB, help="calibration sources (PATH or PATH:weight)")
     ap.add_argument("--num-samples", type=int, default=128, help="calibration windows for GPTQ")
-    ap.add_argument("--awq-num-samples", type=int, default=64,
+    ap.add_argument("--awq-num-samples", type=int, default=16,
                     help="calibration windows for AWQ (llm-compressor's AWQ reruns whole attention/MLP blocks on every "
-                         "window for each of its 20 grid points: 128 x 512 takes hours on 2 CPU cores)")
+                         "window for each of its 20 grid points: 64 x 512 took over an hour on 2 CPU cores)")
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -250,6 +256,8 @@ def main() -> None:
     ap.add_argument("--llmcompressor-venv", default=".peers/llmcompressor")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--md", type=Path, default=None, help="write the table, versions and command as markdown")
+    ap.add_argument("--write-doc", action="store_true",
+                    help="also write them into docs/QUANTIZE.md, between the quant-peers markers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = args.work_dir
@@ -286,9 +294,12 @@ def main() -> None:
         fp32_cache.write_text(json.dumps(results["rows"]["fp32"]))
     for label, (tool, method, opts) in plan.items():
         out = work / label.replace(" ", "_").replace("(", "").replace(")", "")
-        row: dict[str, Any] = {"tool": tool, "method": method, "options": opts}
+        # the calibration windows a checkpoint was made from: --reuse keeps it only for the same ones
+        calib_key = None if method == "rtn" else calibs[method][0].name
+        row: dict[str, Any] = {"tool": tool, "method": method, "options": opts, "calibration": calib_key}
         prev = json.loads(out.with_suffix(".row.json").read_text()) if out.with_suffix(".row.json").is_file() else {}
-        if args.reuse and (out / "config.json").is_file() and "wall_s" in prev:
+        if (args.reuse and (out / "config.json").is_file() and "wall_s" in prev
+                and prev.get("calibration") == calib_key):
             row.update({k: prev[k] for k in ("wall_s", "versions", "scores") if k in prev})
         else:
             log(f"quantizing: {label}")
@@ -314,13 +325,19 @@ def main() -> None:
     print(table)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    dom = ", ".join(f"{k} {v['tokens']} tokens" for k, v in results["domains"].items())
+    ver = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+    calib = ", ".join(str(Path(c).relative_to(ROOT)) if Path(c).is_relative_to(ROOT) else c for c in args.calib)
+    md = (f"{table}\n\nCommand: `{results['command']}`\n\nScored: {dom} (windows of {args.seq_len}); "
+          f"calibration: GPTQ {args.num_samples}, AWQ {args.awq_num_samples} windows of {args.calib_seq_len} from "
+          f"{calib} (seed {args.seed}); versions: {ver}.\n")
     if args.md:
-        dom = ", ".join(f"{k} {v['tokens']} tokens" for k, v in results["domains"].items())
-        ver = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
-        args.md.write_text(f"{table}\n\nCommand: `{results['command']}`\n\nScored: {dom} (windows of {args.seq_len}); "
-                           f"calibration: GPTQ {args.num_samples}, AWQ {args.awq_num_samples} windows of "
-                           f"{args.calib_seq_len} from {', '.join(args.calib)} "
-                           f"(seed {args.seed}); versions: {ver}.\n")
+        write_text_atomic(args.md, md)
+    if args.write_doc:
+        from peers_plan import replace_doc_section
+
+        write_text_atomic(DOC, replace_doc_section(DOC.read_text(), md, "### Against llm-compressor", DOC_MARKERS))
+        print(f"wrote the llm-compressor table of {DOC}", file=sys.stderr)
 
 
 if __name__ == "__main__":
