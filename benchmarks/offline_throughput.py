@@ -1,7 +1,7 @@
 """Offline engine benchmarks, measured side by side in ONE run on the same machine, model and dtype.
 
     python benchmarks/offline_throughput.py --dtype float32 [--model smollm2-135m|gemma3-270m]
-        [--only mixed,single,prefix,overhead] [--num-requests 64] [--enforce-eager]
+        [--only mixed,single,prefix,overhead] [--num-requests 64] [--enforce-eager] [--skip-transformers]
 
 - mixed:    64 requests (`--num-requests`), prompts 32-512 tokens, outputs 16-256 (ignore_eos). llmopt continuous batching
             vs transformers static batches of 16 in arrival order, each run to its longest request.
@@ -71,10 +71,10 @@ def bench_mixed(llm: LLM, hf, results: dict, n: int = 64) -> None:
                                         for _, o in reqs])
     ours = time.perf_counter() - t0
     llm.engine.stat_listeners.remove(stats.append)
-    theirs = hf_static(hf, reqs, 16)
+    theirs = hf_static(hf, reqs, 16) if hf is not None else None
     results["mixed"] = {"requests": n, "useful_output_tokens": useful, "llmopt_s": ours, "transformers_static16_s": theirs,
-                        "llmopt_tok_s": useful / ours, "transformers_tok_s": useful / theirs,
-                        "speedup": theirs / ours,
+                        "llmopt_tok_s": useful / ours, "transformers_tok_s": theirs and useful / theirs,
+                        "speedup": theirs and theirs / ours,
                         "llmopt_prefill_steps_s": sum(st.step_time for st in stats if st.num_prefill_tokens),
                         "llmopt_decode_only_steps_s": sum(st.step_time for st in stats if not st.num_prefill_tokens)}
 
@@ -151,12 +151,16 @@ def main() -> None:
     ap.add_argument("--only", default="mixed,single,prefix,overhead")
     ap.add_argument("--num-requests", type=int, default=64, help="requests in the mixed workload")
     ap.add_argument("--json", default=None, help="write results here")
-    ap.add_argument("--enforce-eager", action="store_true", help="llmopt without its compiled prefill kernels")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="llmopt without its compiled prefill kernels and packed CPU weights")
+    ap.add_argument("--skip-transformers", action="store_true",
+                    help="mixed: llmopt alone (comparing two llmopt builds; transformers' static batches take minutes)")
     args = ap.parse_args()
     which = set(args.only.split(","))
     llm_args = {"model": args.model, "dtype": args.dtype, "enforce_eager": args.enforce_eager}
     llm = LLM(**llm_args, max_num_seqs=64)
-    hf = hf_model(llm, llm.engine.dtype) if which & {"mixed", "single"} else None
+    hf = hf_model(llm, llm.engine.dtype) if which & {"single"} or (
+        "mixed" in which and not args.skip_transformers) else None
     results: dict = {"model": args.model, "dtype": args.dtype, "torch_threads": torch.get_num_threads()}
     if "single" in which:
         bench_single(llm, hf, results)
@@ -165,7 +169,7 @@ def main() -> None:
         bench_overhead(llm, results)
         print(json.dumps(results["overhead"]), flush=True)
     if "mixed" in which:
-        bench_mixed(llm, hf, results, n=args.num_requests)
+        bench_mixed(llm, None if args.skip_transformers else hf, results, n=args.num_requests)
         print(json.dumps(results["mixed"]), flush=True)
     if "prefix" in which:
         del llm
