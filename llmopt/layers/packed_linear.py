@@ -6,9 +6,9 @@ the same oneDNN matmul over a weight reordered once into its blocked layout. Dec
 per token, so that is the decode speed. vLLM's CPU backend packs its linears the same way.
 
 In bf16 it is the same kernel: outputs are bitwise equal to `F.linear` on decode-size batches and
-within bf16 rounding on big ones (fp16: within fp16 rounding). fp32 is never packed, so greedy fp32 output stays token-identical to
-transformers. A tied lm_head gets a packed copy and the embedding keeps the plain weight for its
-lookups, as vLLM does (one more vocab x hidden matrix in memory).
+within bf16 rounding on big ones (fp16: within fp16 rounding). fp32 is never packed, so greedy fp32
+output stays token-identical to transformers. A tied lm_head gets a packed copy and the embedding keeps
+the plain weight for its lookups, as vLLM does (one more vocab x hidden matrix in memory).
 """
 
 from __future__ import annotations
