@@ -5,7 +5,7 @@ block i implies the whole prefix up to i matches; the tokens are verified on eve
 Python's hash can collide. Blocks freed with a hash stay resident as evictable cache, evicted LRU.
 
 When every layer of the pool slides over the same `window` (Mistral's `sliding_window`, or the
-sliding group of a model that mixes full and sliding layers, see kv_cache_manager.py), a block whose
+sliding group of a model that mixes full and sliding layers, see hybrid_block_manager.py), a block whose
 positions no later query can see is given back as the sequence advances (`release_out_of_window`), so
 a sequence holds about window / block_size blocks however long it gets, as vLLM and llama.cpp do. Its
 table keeps the entry (positions stay where they are); attention masks it out. One manager keeps one

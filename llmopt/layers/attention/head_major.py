@@ -2,8 +2,8 @@
 
 Its pool is `PagedKVCache`, laid out [heads, slots, head_dim] per layer. Tokens of one step arrive
 flattened: first the prefill chunks (one sequence each, several query tokens), then the decode tokens
-(one query token each). Decodes run in groups of similar context length, each one block gather and two
-grouped matmuls; each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix
+(one query token each). Decodes run in groups of similar context length, each one block gather and one
+SDPA call; each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix
 (on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers its KV
 group's whole block table and its mask hides what fell out of the window: the block manager has given
 those blocks back (their table entries point at a placeholder block: read, masked). Every item comes with
