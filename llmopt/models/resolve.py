@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt.cache import cache_root
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory
 from llmopt.models.spec import ModelSpec
@@ -57,10 +58,6 @@ class ResolvedModel:
     @property
     def name(self) -> str:
         return self.source
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
 
 
 def _alias_path(alias: str) -> Path:

@@ -2,9 +2,10 @@
 
 Its pool is `PagedKVCache`, laid out [heads, slots, head_dim] per layer. Tokens of one step arrive
 flattened: first the prefill chunks (one sequence each, several query tokens), then the decode tokens
-(one query token each). Decodes run in groups of similar context length, each one block gather and one
-SDPA call; each prefill chunk runs its own SDPA with a causal mask offset by its cached prefix
-(on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers its KV
+(one query token each). Decodes run in groups of similar context length: in bf16 on a CPU, the paged
+decode kernel (`paged_decode_kernel.py`) reads each group's blocks where they lie; otherwise each group
+is one block gather and one SDPA call. Each prefill chunk runs its own SDPA with a causal mask offset by
+its cached prefix (on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers its KV
 group's whole block table and its mask hides what fell out of the window: the block manager has given
 those blocks back (their table entries point at a placeholder block: read, masked). Every item comes with
 one block table per KV group (`GroupedKVCache`); each layer reads its group's.
@@ -20,6 +21,8 @@ from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, Prefil
 from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
 from llmopt.layers.attention.layer import PagedAttention
+from llmopt.layers.attention.paged_decode_kernel import PagedDecodeKernel
+from llmopt.layers.attention.paged_decode_kernel import load as load_decode_kernel
 from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
@@ -52,6 +55,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class HeadMajorBackend(AttentionBackend):
     name = "head_major"
+    _kernel: PagedDecodeKernel | None | bool = False  # False: not loaded yet
+
+    def decode_kernel(self, q: torch.Tensor, pool: PagedKVCache, layer: PagedAttention) -> PagedDecodeKernel | None:
+        """The paged decode kernel when it takes this layer's decodes: bf16 on a CPU, not int8 KV, not
+        `enforce_eager`. fp32 stays on SDPA, so greedy fp32 output remains token-identical to transformers."""
+        if (not self.allow_compiled or pool.quantized
+                or not PagedDecodeKernel.supports(q, pool.k, layer.num_heads, layer.num_kv_heads)):
+            return None
+        if self._kernel is False:
+            self._kernel = load_decode_kernel()
+        return self._kernel
 
     def make_cache(self, num_layers, num_blocks, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto"):
         return PagedKVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype, self.device,
@@ -133,9 +147,9 @@ class HeadMajorBackend(AttentionBackend):
                                    for t in tables], dtype=torch.long, device=dev)
                      for g, lo in enumerate(starts)]
         p = torch.arange(max_blocks * bs, device=dev)
-        lens = torch.tensor(ctx_lens, device=dev)
+        lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         return DecodeGroup(len(tables), per_group,
-                           (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs), starts)
+                           (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs), starts, lens)
 
     # ---- forward ------------------------------------------------------------
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
@@ -158,7 +172,13 @@ class HeadMajorBackend(AttentionBackend):
             else:
                 outs.append(_prefill_sdpa(layer, q[start:end], kc, vc, mask))
             start = end
+        kernel = self.decode_kernel(q, pool, layer) if meta.decode_groups else None
         for i, group in enumerate(meta.decode_groups):
+            if kernel is not None:
+                outs.append(kernel(q[start:start + group.size], pool.k[idx], pool.v[idx], group.blocks[g], group.lens,
+                                   group.starts[g], self.block_size, layer.window or 0, layer.scale))
+                start += group.size
+                continue
             mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
             if group.starts[g]:  # a sliding group gathers from the first block still in a window
                 mask = mask[..., group.starts[g] * self.block_size:]

@@ -32,6 +32,7 @@ class DecodeGroup:
     mask: torch.Tensor  # [1, size, 1, max_blocks * block_size] bool, True = attend
     # per KV group: the first block its `blocks` hold (a sliding group skips what left every window)
     starts: list[int] = field(default_factory=list)
+    lens: torch.Tensor | None = None  # [size] int64 context lengths (the paged decode kernel's input)
 
 
 @dataclass

@@ -1,0 +1,143 @@
+"""The bf16 paged decode kernel on its own: against gather + SDPA over the same blocks, for the head
+layouts, context lengths, sliding windows and thread counts the engine sends it; its build cache; and
+the fallback to SDPA when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt.layers.attention import PagedAttention, PagedKVCache, get_backend
+from llmopt.layers.attention import paged_decode_kernel as pdk
+
+BS = 16
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+
+def _reference(q, k_pool, v_pool, blocks, lens, start_block, window, scale):
+    """Gather + SDPA in float32 over the same bf16 values: what the SDPA decode path computes."""
+    b, h, d = q.shape
+    hkv = k_pool.shape[0]
+    out = []
+    for i in range(b):
+        lo = start_block * BS
+        hi = int(lens[i])
+        pos = torch.arange(lo, hi)
+        if window:
+            pos = pos[pos >= hi - window]
+        rel = pos - lo
+        slots = blocks[i][rel // BS] * BS + rel % BS
+        k, v = k_pool[:, slots].float(), v_pool[:, slots].float()  # [Hkv, n, D]
+        qi = q[i].float().view(hkv, h // hkv, d)
+        out.append(F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(h * d))
+    return torch.stack(out)
+
+
+@needs_cc
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256), (8, 8, 128), (6, 2, 40)])
+@pytest.mark.parametrize("window,start_block", [(0, 0), (37, 0), (37, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, window, start_block, threads):
+    kernel = pdk.load()
+    assert kernel is not None, "the kernel must build where a C compiler is"
+    gen = torch.Generator().manual_seed(heads * head_dim + window)
+    num_blocks = 96
+    k_pool = torch.randn(kv_heads, num_blocks * BS, head_dim, generator=gen).to(torch.bfloat16)
+    v_pool = torch.randn(kv_heads, num_blocks * BS, head_dim, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([200, 190, 61, 40, 33], dtype=torch.long)
+    n = -(-200 // BS) - start_block
+    blocks = torch.stack([torch.randperm(num_blocks, generator=gen)[:n] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(q, k_pool, v_pool, blocks, lens, start_block, BS, window, scale)
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(q, k_pool, v_pool, blocks, lens, start_block, window, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (len(lens), heads * head_dim)
+    torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@needs_cc
+def test_kernel_check_is_sharp():
+    """A wrong block table is caught: the comparison above can fail."""
+    kernel = pdk.load()
+    gen = torch.Generator().manual_seed(3)
+    k_pool = torch.randn(2, 32 * BS, 64, generator=gen).to(torch.bfloat16)
+    v_pool = torch.randn(2, 32 * BS, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(1, 4, 64, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([40])
+    got = kernel(q, k_pool, v_pool, torch.tensor([[3, 7, 9]]), lens, 0, BS, 0, 0.125)
+    ref = _reference(q, k_pool, v_pool, torch.tensor([[3, 7, 10]]), lens, 0, 0, 0.125)
+    assert not torch.allclose(got.float(), ref, atol=1e-2)
+
+
+@needs_cc
+def test_build_is_cached_and_keeps_denormals(tmp_path):
+    """A second build reuses the cached library; loading it leaves float32 denormals alone (a -ffast-math
+    link would turn on flush-to-zero for the whole process)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    so = pdk.build(cc, tmp_path)
+    stamp = so.stat().st_mtime_ns
+    assert pdk.build(cc, tmp_path) == so and so.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [so.name]  # no temp build folder left behind
+    pdk.PagedDecodeKernel(so)
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 2).item() != 0.0
+
+
+def test_failed_build_falls_back_to_sdpa(tmp_path, monkeypatch, caplog):
+    """No working compiler: one warning, and bf16 decode attention runs (and is right) on SDPA."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pdk, "_loaded", {})
+    with caplog.at_level(logging.WARNING):
+        assert pdk.load() is None
+    assert "paged decode kernel unavailable" in caplog.text
+    backend = get_backend(torch.device("cpu"), 4)
+    cache = backend.make_cache(1, 8, 1, 16, torch.bfloat16)
+    attn = PagedAttention(0, 2, 1, 16)
+    gen = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(6, n, 16, generator=gen).to(torch.bfloat16) for n in (1, 1, 2))
+    table = [5, 2]
+    backend.forward(attn, q[:5], k[:5], v[:5], cache, backend.build_metadata(cache, [([table], 0, 5)], []))
+    out = backend.forward(attn, q[5:], k[5:], v[5:], cache, backend.build_metadata(cache, [], [([table], 5)]))
+    assert backend._kernel is None
+    ref = F.scaled_dot_product_attention(q[5:].float().transpose(0, 1), k.float().transpose(0, 1),
+                                         v.float().transpose(0, 1), enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref.transpose(0, 1).reshape(1, 32), atol=1e-2, rtol=1e-2)
+
+
+def test_int8_pool_and_eager_backend_do_not_use_the_kernel():
+    cache8 = PagedKVCache(1, 4, 4, 1, 16, torch.bfloat16, torch.device("cpu"), "int8")
+    plain = PagedKVCache(1, 4, 4, 1, 16, torch.bfloat16, torch.device("cpu"))
+    attn, q = PagedAttention(0, 2, 1, 16), torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    assert get_backend(torch.device("cpu"), 4).decode_kernel(q, cache8, attn) is None
+    assert get_backend(torch.device("cpu"), 4, allow_compiled=False).decode_kernel(q, plain, attn) is None
+    assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), plain, attn) is None
+
+
+@needs_cc
+def test_bf16_engine_decodes_through_the_kernel(tiny_llama):
+    """A bf16 engine's decode steps run the kernel and agree with an enforce_eager engine (gather + SDPA)
+    up to bf16 rounding: the same greedy tokens, logprobs within a few hundredths."""
+    from llmopt import LLM, SamplingParams
+
+    fast = LLM(str(tiny_llama), dtype="bfloat16")
+    eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
+    g = torch.Generator().manual_seed(5)
+    vocab = fast.engine.spec.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    for a, b in zip(fast.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
+            assert abs(la[t] - lb[t]) < 0.05
+    assert isinstance(fast.engine.runner.attn_backend._kernel, pdk.PagedDecodeKernel)
+    assert eager.engine.runner.attn_backend._kernel is False  # never loaded: enforce_eager is plain torch
