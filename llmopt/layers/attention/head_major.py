@@ -5,10 +5,11 @@ flattened: first the prefill chunks (one sequence each, several query tokens), t
 (one query token each). Decodes run in groups of similar context length: in bf16 on a CPU, the paged
 decode kernel (`paged_decode_kernel.py`) reads each group's blocks where they lie; otherwise each group
 is one block gather and one SDPA call. Each prefill chunk runs its own SDPA with a causal mask offset by
-its cached prefix (on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer gathers its KV
-group's whole block table and its mask hides what fell out of the window: the block manager has given
-those blocks back (their table entries point at a placeholder block: read, masked). Every item comes with
-one block table per KV group (`GroupedKVCache`); each layer reads its group's.
+its cached prefix (on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer
+gathers its KV group's whole block table and its mask hides what fell out of the window: the block
+manager has given those blocks back (their table entries point at a placeholder block: read, masked;
+the kernel skips them). Every item comes with one block table per KV group (`GroupedKVCache`); each
+layer reads its group's.
 """
 
 from __future__ import annotations

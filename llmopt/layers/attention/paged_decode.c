@@ -31,17 +31,20 @@ static inline __attribute__((always_inline)) void attend(
     float mx[64], sum[64];
     for (int64_t i = 0; i < G * D; i++) { qf[i] = bf16_to_f(q[i]) * scale; acc[i] = 0.f; }
     for (int64_t g = 0; g < G; g++) { mx[g] = -3.0e38f; sum[g] = 0.f; }
-    for (int64_t p = lo; p < hi; p++) {
-        const int64_t rel = p - first;
-        if (rel % bs == 0 && p + bs < hi) prefetch(k + table[rel / bs + 1] * bs * D, bs * D);
-        const uint16_t *kr = k + (table[rel / bs] * bs + rel % bs) * D;
-        for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(kr[d]);
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qf + g * D;
-            float s = 0.f;
-            for (int64_t d = 0; d < D; d++) s += qg[d] * row[d];
-            sc[g * span + p - lo] = s;
-            if (s > mx[g]) mx[g] = s;
+    for (int64_t p = lo; p < hi;) {  // block by block: one division per block, not per position
+        const int64_t j = (p - first) / bs, r0 = p - first - j * bs, r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
+        const uint16_t *blk = k + table[j] * bs * D;
+        if (p + r1 - r0 < hi) prefetch(k + table[j + 1] * bs * D, bs * D);
+        for (int64_t r = r0; r < r1; r++, p++) {
+            const uint16_t *kr = blk + r * D;
+            for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(kr[d]);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qf + g * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; d++) s += qg[d] * row[d];
+                sc[g * span + p - lo] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {
@@ -49,15 +52,18 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
         sum[g] = t;
     }
-    for (int64_t p = lo; p < hi; p++) {
-        const int64_t rel = p - first;
-        if (rel % bs == 0 && p + bs < hi) prefetch(v + table[rel / bs + 1] * bs * D, bs * D);
-        const uint16_t *vr = v + (table[rel / bs] * bs + rel % bs) * D;
-        for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(vr[d]);
-        for (int64_t g = 0; g < G; g++) {
-            const float w = sc[g * span + p - lo];
-            float *ag = acc + g * D;
-            for (int64_t d = 0; d < D; d++) ag[d] += w * row[d];
+    for (int64_t p = lo; p < hi;) {
+        const int64_t j = (p - first) / bs, r0 = p - first - j * bs, r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
+        const uint16_t *blk = v + table[j] * bs * D;
+        if (p + r1 - r0 < hi) prefetch(v + table[j + 1] * bs * D, bs * D);
+        for (int64_t r = r0; r < r1; r++, p++) {
+            const uint16_t *vr = blk + r * D;
+            for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(vr[d]);
+            for (int64_t g = 0; g < G; g++) {
+                const float w = sc[g * span + p - lo];
+                float *ag = acc + g * D;
+                for (int64_t d = 0; d < D; d++) ag[d] += w * row[d];
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {

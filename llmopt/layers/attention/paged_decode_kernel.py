@@ -4,8 +4,8 @@ compiler, cached, and called through ctypes.
 Why: SDPA wants each sequence's K/V contiguous, so every decode step copied all of its sequences'
 blocks out of the pool, per layer, before an SDPA call that runs far below memory speed with one query
 row per head. At batch 32 and 400 tokens of context that gather and SDPA were half of a bf16 decode
-step. The kernel reads the blocks where they lie, one pass over K and one over V, and is 1.5-2x faster
-than gather + SDPA from batch 8 up (docs/BENCHMARKS.md, "Paged decode kernel").
+step. The kernel reads the blocks where they lie, one pass over K and one over V: per layer 1.5-2.4x
+faster than gather + SDPA at one thread, 2.2-3.9x at two (docs/BENCHMARKS.md, "Paged decode kernel").
 
 It is built with `cc -O3 -march=native -fopenmp` (`$CC` if set) into the llmopt cache under a name
 keyed by its source, the compiler and the CPU, so a cache shared by different machines never loads a
