@@ -125,7 +125,7 @@ class PagedDecodeKernel:
                       lens.data_ptr(), b, h, k_pool.shape[0], d, k_pool.shape[1], block_size, start_block, window,
                       scale, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError("paged decode kernel: out of memory for its scratch")
+            raise RuntimeError("paged decode kernel failed: a shape it does not take, or no memory for its scratch")
         return out
 
 
