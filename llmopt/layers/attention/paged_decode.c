@@ -21,6 +21,17 @@ static inline void prefetch(const uint16_t *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
 }
 
+// The block holding position p (blocks counted from position `first`): its rows, and in *r0..*r1 the rows
+// of it that positions p..hi-1 use. Prefetches the next block of the run.
+static inline const uint16_t *block_run(const uint16_t *pool, const int64_t *table, int64_t p, int64_t hi,
+                                        int64_t first, int64_t bs, int64_t D, int64_t *r0, int64_t *r1) {
+    const int64_t j = (p - first) / bs;
+    *r0 = p - first - j * bs;
+    *r1 = *r0 + hi - p < bs ? *r0 + hi - p : bs;
+    if (p + *r1 - *r0 < hi) prefetch(pool + table[j + 1] * bs * D, bs * D);
+    return pool + table[j] * bs * D;
+}
+
 // One sequence and KV head: its G query heads attend over positions lo..hi-1. `table` maps a block
 // index (counted from position `first`) to a pool block. `buf`: scratch for 2*G*D + D + G*(hi-lo) floats.
 static inline __attribute__((always_inline)) void attend(
@@ -31,10 +42,8 @@ static inline __attribute__((always_inline)) void attend(
     float mx[64], sum[64];
     for (int64_t i = 0; i < G * D; i++) { qf[i] = bf16_to_f(q[i]) * scale; acc[i] = 0.f; }
     for (int64_t g = 0; g < G; g++) { mx[g] = -3.0e38f; sum[g] = 0.f; }
-    for (int64_t p = lo; p < hi;) {  // block by block: one division per block, not per position
-        const int64_t j = (p - first) / bs, r0 = p - first - j * bs, r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
-        const uint16_t *blk = k + table[j] * bs * D;
-        if (p + r1 - r0 < hi) prefetch(k + table[j + 1] * bs * D, bs * D);
+    for (int64_t p = lo, r0, r1; p < hi;) {  // block by block: one division per block, not per position
+        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1);
         for (int64_t r = r0; r < r1; r++, p++) {
             const uint16_t *kr = blk + r * D;
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(kr[d]);
@@ -52,10 +61,8 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
         sum[g] = t;
     }
-    for (int64_t p = lo; p < hi;) {
-        const int64_t j = (p - first) / bs, r0 = p - first - j * bs, r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
-        const uint16_t *blk = v + table[j] * bs * D;
-        if (p + r1 - r0 < hi) prefetch(v + table[j + 1] * bs * D, bs * D);
+    for (int64_t p = lo, r0, r1; p < hi;) {
+        const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1);
         for (int64_t r = r0; r < r1; r++, p++) {
             const uint16_t *vr = blk + r * D;
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(vr[d]);
