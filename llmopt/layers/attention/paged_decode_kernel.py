@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from llmopt.cache import cache_root
+from llmopt.io import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,13 @@ def build(cc: str, cache_dir: Path) -> Path:
     so = cache_dir / f"paged_decode-{key}.so"
     if so.exists():
         return so
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".build-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llmopt-kernel-") as tmp:
         obj, out = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
         _run([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)])
         _run([cc, "-shared", "-fopenmp", str(obj), "-o", str(out), *link, "-lm"])
-        os.replace(out, so)  # atomic: a concurrent build of the same key writes identical bytes
+        # fsynced and renamed in: a crash never leaves a truncated library under the final name (it
+        # would fail to load, and exist, forever); a concurrent build of the same key writes the same bytes
+        write_bytes_atomic(so, out.read_bytes())
     return so
 
 
