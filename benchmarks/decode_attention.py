@@ -16,8 +16,9 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 
+from llmopt.layers.attention import PagedAttention, PagedKVCache
+from llmopt.layers.attention.head_major import _decode
 from llmopt.layers.attention.paged_decode_kernel import load
 
 SIZES = [(1, 64), (1, 512), (4, 300), (8, 200), (16, 400), (32, 400), (64, 300)]
@@ -33,19 +34,18 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the paged decode kernel cannot be built here (see the warning above)")
     hkv, g, d, bs, nb = args.kv_heads, args.group, args.head_dim, 16, 4096
-    h, scale = hkv * g, d ** -0.5
+    h = hkv * g
+    layer = PagedAttention(0, h, hkv, d)
+    scale = layer.scale
     gen = torch.Generator().manual_seed(0)
-    kp = torch.randn(hkv, nb * bs, d, generator=gen).to(torch.bfloat16)
-    vp = torch.randn(hkv, nb * bs, d, generator=gen).to(torch.bfloat16)
+    pool = PagedKVCache(1, nb, bs, hkv, d, torch.bfloat16, torch.device("cpu"))
+    pool.k[0].copy_(torch.randn(hkv, nb * bs, d, generator=gen))
+    pool.v[0].copy_(torch.randn(hkv, nb * bs, d, generator=gen))
+    kp, vp = pool.k[0], pool.v[0]
     rng = random.Random(0)
 
-    def gather_sdpa(q, blocks, mask):
-        b, n = blocks.shape
-        flat = blocks.reshape(-1)
-        k = kp.view(hkv, nb, bs * d).index_select(1, flat).view(hkv, b, n * bs, d)
-        v = vp.view(hkv, nb, bs * d).index_select(1, flat).view(hkv, b, n * bs, d)
-        qg = q.view(b, hkv, g, d).transpose(0, 1)
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).transpose(0, 1).reshape(b, -1)
+    def gather_sdpa(q, blocks, mask):  # the head-major backend's decode path without the kernel
+        return _decode(layer, q, pool, 0, blocks, mask)
 
     def best_ms(fn) -> float:
         runs = []
