@@ -1,0 +1,111 @@
+"""Small C kernels, built on first use with the system C compiler, cached, and loaded through ctypes.
+
+Why: a few hot loops (paged decode attention, int8 weight-only matmuls at decode sizes) run far below
+memory speed in torch's CPU kernels, and a short C file with OpenMP closes that without a build step at
+install time. Each source is built with `cc -O3 -march=native -fopenmp` (`$CC` if set) into the llmopt
+cache under a name keyed by its source, the compiler (path and version) and the CPU, so a cache shared
+by different machines never loads a build for another CPU. OpenMP is linked against torch's own libgomp where torch
+ships one, so the kernels and torch share one thread pool. When there is no compiler or a build fails,
+`load()` logs why once and returns None, and the caller keeps its torch path. ctypes releases the GIL
+for each call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from llmopt.cache import cache_root
+from llmopt.io import write_bytes_atomic
+
+log = logging.getLogger(__name__)
+
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+
+T = TypeVar("T")
+_loaded: dict[tuple[str, str], object] = {}  # (source, $CC) -> the wrapped library, or None once a build failed
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _torch_lib_dir() -> Path | None:
+    """torch's lib folder when it ships its own libgomp (linking against it shares torch's threads)."""
+    lib = Path(torch.__file__).parent / "lib"
+    return lib if any(lib.glob("libgomp*.so*")) else None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _run(cmd: list[str]) -> None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelBuildError(f"{cmd[0]}: {e}") from None
+    if proc.returncode != 0:
+        first = (proc.stderr or proc.stdout).strip().splitlines()
+        raise KernelBuildError(f"{' '.join(cmd[:2])} failed: {first[0] if first else f'exit {proc.returncode}'}")
+
+
+def build(source: Path, cc: str, cache_dir: Path) -> Path:
+    """Compile `source` with `cc` into `cache_dir` (once: an existing build is reused); returns the .so.
+    Compiled with -ffast-math, linked without it: a -ffast-math link adds crtfastmath, which would turn
+    on flush-to-zero for the whole process when the library loads."""
+    src = source.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelBuildError(f"no C compiler {cc!r} ({e})") from None
+    libdir = _torch_lib_dir()
+    link = [f"-L{libdir}", f"-Wl,-rpath,{libdir}"] if libdir else []
+    key = hashlib.sha256(b"\0".join([src, cc.encode(), version.encode(), " ".join(COMPILE_FLAGS + link).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    so = cache_dir / f"{source.stem}-{key}.so"
+    if so.exists():
+        return so
+    with tempfile.TemporaryDirectory(prefix="llmopt-kernel-") as tmp:
+        obj, out = Path(tmp) / f"{source.stem}.o", Path(tmp) / f"{source.stem}.so"
+        _run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        _run([cc, "-shared", "-fopenmp", str(obj), "-o", str(out), *link, "-lm"])
+        # fsynced and renamed in: a crash never leaves a truncated library under the final name (it
+        # would fail to load, and exist, forever); a concurrent build of the same key writes the same bytes
+        write_bytes_atomic(so, out.read_bytes())
+    return so
+
+
+def load(source: Path, wrap: Callable[[Path], T], fallback: str) -> T | None:
+    """`wrap(built .so)`, built on first use and kept for the process; None (after one warning naming
+    `fallback`, what runs instead) when it cannot be built or loaded here."""
+    key = (str(source), os.environ.get("CC", ""))  # no PATH search per call: this runs once per matmul
+    if key not in _loaded:
+        cc = compiler()
+        try:
+            if cc is None:
+                raise KernelBuildError("no C compiler found (set CC)")
+            _loaded[key] = wrap(build(source, cc, cache_root() / "kernels"))
+        except (KernelBuildError, OSError) as e:
+            log.warning("%s kernel unavailable (%s); %s", source.stem.replace("_", " "), e, fallback)
+            _loaded[key] = None
+    return _loaded[key]  # type: ignore[return-value]
