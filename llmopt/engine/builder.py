@@ -27,6 +27,7 @@ from llmopt.models.resolve import ResolvedModel, resolve_model, weights_dir
 from llmopt.models.spec import ModelSpec
 from llmopt.models.tokenizer import load_tokenizer
 from llmopt.quant.checkpoint import kv_cache_scales
+from llmopt.quant.linear import use_native_int8_kernel
 
 DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
 
@@ -77,10 +78,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
         draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
         ds = draft.spec  # the draft's pool mirrors the target's (group 0) block for block
         draft_bytes = attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
-    if not config.enforce_eager:  # bf16/fp16 on a CPU: weights packed once for oneDNN (faster decode)
-        pack_linears(model)
-        if draft is not None:
-            pack_linears(draft)
+    for m in (model, draft):
+        if m is None:
+            continue
+        if config.enforce_eager:  # int8 weights on torch's kernel, not ours
+            use_native_int8_kernel(m, False)
+        else:  # bf16/fp16 on a CPU: weights packed once for oneDNN (faster decode)
+            pack_linears(m)
     kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
                                                              draft is not None)
     if kv_scales is not None and kv_cache.quantized:

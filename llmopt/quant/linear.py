@@ -15,8 +15,10 @@ Kernels (torch 2.13) and when each module falls back to dequantize-then-matmul:
   per-channel uses a kernel group dividing in_features; N is padded to a multiple of 16.
   Act-order weights are re-sorted by g_idx once and x's columns are permuted per call.
   Fallback: group size not a multiple of 32, or a g_idx that does not form equal groups.
-* `Int8WeightOnlyLinear` — `aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])`
-  (per-channel only; asymmetric zeros are a rank-1 correction −rowsum(x)·(z − 128)·s).
+* `Int8WeightOnlyLinear` — per-channel w int8 [N, K] with scales [N] (asymmetric zeros are a rank-1
+  correction −rowsum(x)·(z − 128)·s). CPU: up to `int8_kernel.MAX_ROWS` rows of x, our C kernel
+  (`int8_kernel.py`; `aten._weight_int8pack_mm` when it cannot be built); more rows, the weight
+  dequantized to x's dtype per call and one dense matmul. CUDA: `aten._weight_int8pack_mm`.
   Fallback: grouped int8, act-order, and bf16 activations with K % 16 != 0 (torch 2.13's CPU bf16
   path returns garbage or crashes there).
 * `Fp8WeightOnlyLinear` — weight-only: decode fp8 to compute_dtype per call through a 256-entry
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.errors import LlmoptError
+from llmopt.quant import int8_kernel
 from llmopt.quant.fp8 import FP8_E4M3_MAX
 from llmopt.quant.packing import pack_int32, unpack_int32
 from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx
@@ -245,7 +248,9 @@ class Int4WeightOnlyLinear(_QuantLinear):
 
 
 class Int8WeightOnlyLinear(_QuantLinear):
-    """int8 weights; per-channel on `_weight_int8pack_mm`, anything else dequantized per call."""
+    """int8 weights; per-channel on a kernel (see module doc), anything else dequantized per call."""
+
+    native_kernel = True  # False (enforce_eager): decode-size batches on torch's kernel instead of ours
 
     @classmethod
     def from_quantized(
@@ -270,7 +275,7 @@ class Int8WeightOnlyLinear(_QuantLinear):
             s = qw.scale[:, 0].float()
             self.register_buffer("scales", s.to(self.compute_dtype))
             self.register_buffer("zero_corr", None if zero is None else zero.float()[:, 0] * s)
-            self.mode = f"{self._device_type}-int8pack"
+            self.mode = f"{self._device_type}-int8"
             if self._device_type == "cpu" or self._self_check(qw):
                 return
             for name in ("scales", "zero_corr"):
@@ -281,10 +286,22 @@ class Int8WeightOnlyLinear(_QuantLinear):
         self.register_buffer("g_idx", qw.g_idx.clone())
 
     def _forward_kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = self._cpu_matmul(x2) if self._device_type == "cpu" else torch.ops.aten._weight_int8pack_mm(
+            x2, self.weight, self.scales)
         if self.zero_corr is not None:
             y = (y.float() - x2.float().sum(1, keepdim=True) * self.zero_corr[None, :]).to(y.dtype)
         return y
+
+    def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """Decode-size batches: our int8 kernel (torch's `_weight_int8pack_mm` when it cannot be built, or
+        with `native_kernel` off); bigger ones: the weight dequantized to x's dtype and one dense matmul,
+        which beats `_weight_int8pack_mm` from about 64 rows up (docs/BENCHMARKS.md, "int8 decode kernel")."""
+        if x2.shape[0] > int8_kernel.MAX_ROWS:
+            return F.linear(x2, torch.mul(self.weight, self.scales[:, None]))
+        kernel = int8_kernel.load() if self.native_kernel else None
+        if kernel is not None and kernel.supports(x2, self.weight, self.scales):
+            return kernel(x2, self.weight, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] this module multiplies by."""
@@ -383,6 +400,14 @@ class Fp8WeightOnlyLinear(_QuantLinear):
 def _fp8_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Value of each float8_e4m3fn bit pattern in `dtype` (NaN patterns are never produced)."""
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype).to(device)
+
+
+def use_native_int8_kernel(model: nn.Module, on: bool) -> int:
+    """Turn our int8 decode kernel on or off in every `Int8WeightOnlyLinear` of `model`; returns how many."""
+    mods = [m for m in model.modules() if isinstance(m, Int8WeightOnlyLinear)]
+    for m in mods:
+        m.native_kernel = on
+    return len(mods)
 
 
 def quantized_linear(

@@ -88,8 +88,8 @@ def test_fp32_compute_dtype_is_near_exact():
 
 
 INT8_CASES = [
-    (64, 128, QuantScheme(bits=8, group_size=-1), "cpu-int8pack"),
-    (40, 96, QuantScheme(bits=8, group_size=-1, symmetric=False), "cpu-int8pack"),
+    (64, 128, QuantScheme(bits=8, group_size=-1), "cpu-int8"),
+    (40, 96, QuantScheme(bits=8, group_size=-1, symmetric=False), "cpu-int8"),
     (32, 128, QuantScheme(bits=8, group_size=64), "dequant"),  # grouped int8: no kernel
     (32, 100, QuantScheme(bits=8, group_size=-1), "dequant"),  # bf16 kernel needs K % 16 == 0
 ]
