@@ -24,7 +24,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 
 class Int8LinearKernel:
-    """The loaded library; `__call__` is one matmul."""
+    """The loaded library: `__call__` is one matmul, `dequantize` the weight for bigger batches."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -32,6 +32,8 @@ class Int8LinearKernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
+        lib.int8_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+        lib.int8_dequant.restype = None
         self._fn, self._lib, self.path = fn, lib, path
 
     @staticmethod
@@ -49,6 +51,19 @@ class Int8LinearKernel:
                       int(x2.dtype == torch.bfloat16), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("int8 linear kernel failed: no memory for its float32 copy of the activations")
+        return out
+
+
+    def dequantize(self, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """weight int8 [N, K] times scales [N] (bf16 or float32), as [N, K] in the scales' dtype (bf16:
+        each product rounded once, as torch's int8 * bf16 multiply does)."""
+        if weight.dtype != torch.int8 or not weight.is_contiguous() or scales.dtype not in DTYPES:
+            raise ValueError("int8 dequantize: a contiguous int8 weight and bf16 or float32 scales")
+        scales = scales.contiguous()
+        n, k = weight.shape
+        out = torch.empty(n, k, dtype=scales.dtype)
+        self._lib.int8_dequant(weight.data_ptr(), scales.data_ptr(), n, k, out.data_ptr(),
+                               int(scales.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
 

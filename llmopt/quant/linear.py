@@ -294,12 +294,16 @@ class Int8WeightOnlyLinear(_QuantLinear):
 
     def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """Decode-size batches: our int8 kernel (torch's `_weight_int8pack_mm` when it cannot be built, or
-        with `native_kernel` off); bigger ones: the weight dequantized to x's dtype and one dense matmul,
-        which beats `_weight_int8pack_mm` from about 64 rows up (docs/BENCHMARKS.md, "int8 decode kernel")."""
-        if x2.shape[0] > int8_kernel.MAX_ROWS:
-            return F.linear(x2, torch.mul(self.weight, self.scales[:, None]))
+        with `native_kernel` off); bigger ones: the weight dequantized to x's dtype (by the kernel's library,
+        else torch) and one dense matmul, which beats `_weight_int8pack_mm` from about 64 rows up
+        (docs/BENCHMARKS.md, "int8 decode kernel")."""
         kernel = int8_kernel.load() if self.native_kernel else None
-        if kernel is not None and kernel.supports(x2, self.weight, self.scales):
+        if kernel is not None and not kernel.supports(x2, self.weight, self.scales):
+            kernel = None
+        if x2.shape[0] > int8_kernel.MAX_ROWS:
+            w = kernel.dequantize(self.weight, self.scales) if kernel else torch.mul(self.weight, self.scales[:, None])
+            return F.linear(x2, w)
+        if kernel is not None:
             return kernel(x2, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
 

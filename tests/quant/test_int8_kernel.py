@@ -63,6 +63,19 @@ def test_kernel_reads_strided_activations_and_extreme_weights():
 
 
 @needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_is_torchs_multiply(dtype):
+    """The weight bigger batches multiply by is bitwise torch's `int8 * scale` (one rounding per element)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-128, 128, (37, 101), generator=g, dtype=torch.int8)
+    s = (torch.rand(37, generator=g) / 50).to(dtype)
+    got = ik.load().dequantize(w, s)
+    assert got.dtype == dtype and torch.equal(got, torch.mul(w, s[:, None]))
+    with pytest.raises(ValueError):
+        ik.load().dequantize(w.t(), s)
+
+
+@needs_cc
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_linear_paths_agree(symmetric):
     """Per-channel int8 on a CPU: decode-size batches on our kernel, on torch's `_weight_int8pack_mm`
@@ -82,7 +95,7 @@ def test_linear_paths_agree(symmetric):
         assert rel_err(ours, ref) < 1e-2 and rel_err(theirs, ref) < 1e-2, rows
         if rows <= ik.MAX_ROWS:
             assert rel_err(ours, theirs) < 1e-2
-        else:  # past MAX_ROWS the switch does not matter: both take the dequantized path
+        else:  # past MAX_ROWS both dequantize (ours in C, else torch) to the same weight, then one matmul
             assert torch.equal(ours, theirs)
 
 
