@@ -3,7 +3,10 @@
 The embedded model is a GGUF file that is converted into the cache on first use. A calibration made
 while the cache was cold once carried a model identity that a later, warm `quantize` refused
 ("measured on another model"), so `make demo` failed on every fresh machine. Each command here runs in
-a fresh process, as a user's would, and the first one always starts from an empty cache.
+a fresh process, as a user's would, and the first one always starts from an empty cache. Both tests
+fail if the config built from GGUF metadata (cold) and the cached config.json (warm) differ: the
+identity a calibration records hashes it (a separate in-process check of that was a third cold
+conversion, half a minute of CI, for nothing these two do not catch).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.models.resolve import resolve_model, weights_dir
 from tests.conftest import requires_smollm2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +63,3 @@ def test_quickstart_calibrate_and_quantize_twice_on_one_out(tmp_path):
     assert ran == {"calibrate": "ran", "quantize": "ran"}, ran
     again = {s["name"]: s["status"] for s in json.loads(second.stdout)["stages"] if s["status"] != "not_selected"}
     assert again == {"calibrate": "skipped", "quantize": "skipped"}, again
-
-
-def test_resolved_config_is_the_same_cold_and_warm(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
-    cold = resolve_model("smollm2-135m")
-    directory = weights_dir(cold)
-    warm = resolve_model("smollm2-135m")
-    assert cold.config == warm.config == json.loads((directory / "config.json").read_text())
-    assert cold.spec == warm.spec
