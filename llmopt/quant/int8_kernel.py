@@ -5,8 +5,9 @@ Why: torch's CPU `_weight_int8pack_mm` streams int8 weights at a fraction of mem
 activation rows (slower per token than the bf16 matmul over twice the bytes), and decode reads every
 weight per token, so W8A16 decoded slower than bf16. The kernel reads `Int8WeightOnlyLinear`'s own
 [N, K] int8 buffer (no second copy) once per call for all rows, sums in float32 and rounds once, as
-torch's kernel does. Past MAX_ROWS rows a dense matmul over the weight dequantized per call is faster
-(`Int8WeightOnlyLinear._cpu_matmul`; docs/BENCHMARKS.md, "int8 decode kernel").
+torch's kernel does. Past MAX_ROWS rows the weight dequantized per call (`dequantize`, in C at memory
+speed) and one dense matmul are faster (`Int8WeightOnlyLinear._cpu_matmul`; docs/BENCHMARKS.md, "int8
+decode kernel").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import llmopt.native as native
 
 SOURCE = Path(__file__).with_name("int8_linear.c")
-MAX_ROWS = 64  # rows of x up to which the kernel runs; more, and a dense matmul over the dequantized weight wins
+MAX_ROWS = 16  # rows of x up to which the kernel runs; past that the dequantized weight + one matmul is faster
 DTYPES = (torch.bfloat16, torch.float32)
 
 

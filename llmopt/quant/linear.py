@@ -295,7 +295,7 @@ class Int8WeightOnlyLinear(_QuantLinear):
     def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """Decode-size batches: our int8 kernel (torch's `_weight_int8pack_mm` when it cannot be built, or
         with `native_kernel` off); bigger ones: the weight dequantized to x's dtype (by the kernel's library,
-        else torch) and one dense matmul, which beats `_weight_int8pack_mm` from about 64 rows up
+        else torch) and one dense matmul, faster than either kernel past MAX_ROWS rows
         (docs/BENCHMARKS.md, "int8 decode kernel")."""
         kernel = int8_kernel.load() if self.native_kernel else None
         if kernel is not None and not kernel.supports(x2, self.weight, self.scales):
