@@ -248,8 +248,8 @@ def serve(
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",
-                                       help="Plain eager torch on CPU: no compiled bf16/fp16 prefill kernels "
-                                       "and no oneDNN-packed bf16/fp16 weights."),
+                                       help="Plain eager torch on CPU: no compiled bf16/fp16 prefill kernels, "
+                                       "no oneDNN-packed bf16/fp16 weights and none of our C kernels."),
     speculative: Optional[str] = typer.Option(None, help="Speculative decoding: ngram (prompt lookup), "
                                               "layer_skip (self-draft) or draft (--draft-model); turned off "
                                               "while degraded."),
