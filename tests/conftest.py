@@ -33,3 +33,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not present")
     return SHARED_DATA
+
+
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch) -> Path:
+    """A process where our C kernels cannot be built: $CC names no program, the cache is empty and no
+    kernel is loaded yet. Returns that cache folder."""
+    import llmopt.native as native
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    return tmp_path / "cache"

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt import native
 from llmopt.layers.attention import PagedAttention, PagedKVCache, get_backend
 from llmopt.layers.attention import paged_decode_kernel as pdk
 
@@ -93,11 +92,8 @@ def test_build_is_cached_and_keeps_denormals(tmp_path):
     assert (tiny * 2).item() != 0.0
 
 
-def test_failed_build_falls_back_to_sdpa(tmp_path, monkeypatch, caplog):
+def test_failed_build_falls_back_to_sdpa(no_compiler, caplog):
     """No working compiler: one warning, and bf16 decode attention runs (and is right) on SDPA."""
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         assert pdk.load() is None
     assert "paged decode kernel unavailable" in caplog.text
