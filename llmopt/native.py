@@ -4,10 +4,10 @@ Why: a few hot loops (paged decode attention, int8 weight-only matmuls at decode
 memory speed in torch's CPU kernels, and a short C file with OpenMP closes that without a build step at
 install time. Each source is built with `cc -O3 -march=native -fopenmp` (`$CC` if set) into the llmopt
 cache under a name keyed by its source, the compiler (path and version) and the CPU, so a cache shared
-by different machines never loads a build for another CPU. OpenMP is linked against torch's own libgomp where torch
-ships one, so the kernels and torch share one thread pool. When there is no compiler or a build fails,
-`load()` logs why once and returns None, and the caller keeps its torch path. ctypes releases the GIL
-for each call.
+by different machines never loads a build for another CPU. OpenMP is linked against torch's own
+libgomp where torch ships one, so the kernels and torch share one thread pool. When there is no
+compiler or a build fails, `load()` logs why once and returns None, and the caller keeps its torch
+path. ctypes releases the GIL for each call.
 """
 
 from __future__ import annotations

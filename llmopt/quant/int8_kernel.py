@@ -47,6 +47,8 @@ class Int8LinearKernel:
         x2, scales = x2.contiguous(), scales.contiguous()
         m, k = x2.shape
         n = weight.shape[0]
+        if weight.shape[1] != k or tuple(scales.shape) != (n,):  # the C code trusts these shapes
+            raise ValueError(f"int8 kernel: x [M, {weight.shape[1]}] and scales [{n}] expected")
         out = torch.empty(m, n, dtype=x2.dtype)
         rc = self._fn(x2.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), n, out.data_ptr(),
                       int(x2.dtype == torch.bfloat16), torch.get_num_threads())
@@ -62,6 +64,8 @@ class Int8LinearKernel:
             raise ValueError("int8 dequantize: a contiguous int8 weight and bf16 or float32 scales")
         scales = scales.contiguous()
         n, k = weight.shape
+        if tuple(scales.shape) != (n,):
+            raise ValueError(f"int8 dequantize: scales [{n}] expected")
         out = torch.empty(n, k, dtype=scales.dtype)
         self._lib.int8_dequant(weight.data_ptr(), scales.data_ptr(), n, k, out.data_ptr(),
                                int(scales.dtype == torch.bfloat16), torch.get_num_threads())

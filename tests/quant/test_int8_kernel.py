@@ -72,6 +72,19 @@ def test_dequantize_is_torchs_multiply(dtype):
     assert got.dtype == dtype and torch.equal(got, torch.mul(w, s[:, None]))
     with pytest.raises(ValueError):
         ik.load().dequantize(w.t(), s)
+    with pytest.raises(ValueError):
+        ik.load().dequantize(w, s[:-1])
+
+
+@needs_cc
+def test_kernel_refuses_mismatched_shapes():
+    """The C code trusts its shapes, so the wrapper checks them: a one-line error, not a wild read."""
+    w = torch.zeros(8, 32, dtype=torch.int8)
+    s = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="int8 kernel"):
+        ik.load()(torch.zeros(1, 16, dtype=torch.bfloat16), w, s)
+    with pytest.raises(ValueError, match="int8 kernel"):
+        ik.load()(torch.zeros(1, 32, dtype=torch.bfloat16), w, s[:4])
 
 
 @needs_cc
