@@ -2,8 +2,9 @@
 // float32, w int8 row-major (Int8WeightOnlyLinear's own buffer, no repacking). Products are summed in
 // float32 and rounded once, as torch's _weight_int8pack_mm does. Each thread takes blocks of R weight rows
 // and reads each row once for all M activation rows, so the weights stream from memory once per call.
-// Built and loaded by int8_kernel.py. Compiled with -ffast-math (vectorized reductions in the portable
-// path) but linked without it, so loading it does not switch the process into flush-to-zero mode.
+// int8_dequant writes the weight (q * scale) that batches past the decode sizes multiply by. Built and
+// loaded by int8_kernel.py. Compiled with -ffast-math (vectorized reductions in the portable path) but
+// linked without it, so loading it does not switch the process into flush-to-zero mode.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 
 #define R 4   // weight rows per block
 #define MB 4  // activation rows per pass over a block (R * MB float32 accumulators)
+#define PF_BLOCKS 2  // prefetch the weight rows this many blocks ahead (DRAM latency x read speed ~ 2-4 KiB)
 
 static inline float bf16_to_f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -22,8 +24,6 @@ static inline uint16_t f_to_bf16(float f) {  // round to nearest even, as torch 
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);  // NaN stays NaN
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-
-#define PF_BLOCKS 2  // prefetch the weight rows this many blocks ahead (DRAM latency x read speed ~ 2-4 KiB)
 
 static inline void prefetch_line(const int8_t *p) { if (p) __builtin_prefetch(p, 0, 0); }
 
