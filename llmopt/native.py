@@ -30,6 +30,7 @@ from llmopt.io import write_bytes_atomic
 log = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+HEADERS = [Path(__file__).with_name("native_bf16.h")]  # shared by the kernels, on their include path
 
 T = TypeVar("T")
 _loaded: dict[tuple[str, str], object] = {}  # (source, $CC) -> the wrapped library, or None once a build failed
@@ -70,10 +71,11 @@ def _run(cmd: list[str]) -> None:
 
 
 def build(source: Path, cc: str, cache_dir: Path) -> Path:
-    """Compile `source` with `cc` into `cache_dir` (once: an existing build is reused); returns the .so.
+    """Compile `source` with `cc` into `cache_dir` (once per source, headers, compiler and CPU: an existing
+    build is reused); returns the .so.
     Compiled with -ffast-math, linked without it: a -ffast-math link adds crtfastmath, which would turn
     on flush-to-zero for the whole process when the library loads."""
-    src = source.read_bytes()
+    src = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in HEADERS)])
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -87,7 +89,7 @@ def build(source: Path, cc: str, cache_dir: Path) -> Path:
         return so
     with tempfile.TemporaryDirectory(prefix="llmopt-kernel-") as tmp:
         obj, out = Path(tmp) / f"{source.stem}.o", Path(tmp) / f"{source.stem}.so"
-        _run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        _run([cc, *COMPILE_FLAGS, f"-I{HEADERS[0].parent}", "-c", str(source), "-o", str(obj)])
         _run([cc, "-shared", "-fopenmp", str(obj), "-o", str(out), *link, "-lm"])
         # fsynced and renamed in: a crash never leaves a truncated library under the final name (it
         # would fail to load, and exist, forever); a concurrent build of the same key writes the same bytes

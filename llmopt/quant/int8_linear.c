@@ -8,6 +8,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "native_bf16.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -15,15 +18,6 @@
 #define R 4   // weight rows per block
 #define MB 4  // activation rows per pass over a block (R * MB float32 accumulators)
 #define PF_BLOCKS 2  // prefetch the weight rows this many blocks ahead (DRAM latency x read speed ~ 2-4 KiB)
-
-static inline float bf16_to_f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);  // NaN stays NaN
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline void prefetch_line(const int8_t *p) { if (p) __builtin_prefetch(p, 0, 0); }
 

@@ -8,14 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);  // NaN stays NaN
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "native_bf16.h"
 
 static inline void prefetch(const uint16_t *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
