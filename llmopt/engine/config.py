@@ -23,9 +23,9 @@ class EngineConfig(BaseModel):
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
-    # True: plain eager torch: no TorchInductor kernels (llmopt.layers.compiled, bf16/fp16 prefill on CPU),
+    # True: plain eager torch: no TorchInductor kernels (bf16/fp16 prefill on CPU),
     # no oneDNN-packed weights (llmopt.layers.packed_linear, bf16/fp16 on CPU) and none of our C kernels
-    # (llmopt.native: paged decode attention, int8 matmuls)
+    # (llmopt.native: paged decode attention, int8 matmuls, bf16 decode element-wise ops; llmopt.layers.kernels)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

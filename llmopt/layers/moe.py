@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
 from llmopt.layers.activation import silu_and_mul
+from llmopt.layers.kernels import Ops
 from llmopt.layers.linear import FusedLinear
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -43,8 +44,8 @@ class ExpertMLP(nn.Module):
                                         bias=False, dtype=dtype, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-        return self.down_proj(kernels.call(compiled, silu_and_mul, self.gate_up_proj(x), self.intermediate_size))
+    def forward(self, x: torch.Tensor, ops: Ops = Ops.EAGER) -> torch.Tensor:
+        return self.down_proj(kernels.call(ops, silu_and_mul, self.gate_up_proj(x), self.intermediate_size))
 
 
 class SparseMoeBlock(nn.Module):
@@ -132,7 +133,7 @@ class SparseMoeBlock(nn.Module):
             return None
         return torch.zeros_like(x).index_add_(0, tokens, y * slot_weights[order, None])
 
-    def _looped(self, x, compiled, slot_weights, order, counts: list[int]) -> torch.Tensor:
+    def _looped(self, x, ops, slot_weights, order, counts: list[int]) -> torch.Tensor:
         """One matmul per expert over its routed tokens; `calibrate_all` experts run on every token."""
         out = torch.zeros_like(x)
         start = 0
@@ -143,13 +144,13 @@ class SparseMoeBlock(nn.Module):
             start += n
             tokens = slots // self.top_k
             if e in self.calibrate_all:
-                y = self.experts[e](x, compiled)[tokens]
+                y = self.experts[e](x, ops)[tokens]
             else:
-                y = self.experts[e](x[tokens], compiled)
+                y = self.experts[e](x[tokens], ops)
             out.index_add_(0, tokens, y * slot_weights[slots, None])
         return out
 
-    def forward(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops = Ops.EAGER) -> torch.Tensor:
         weights, experts = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
@@ -158,7 +159,7 @@ class SparseMoeBlock(nn.Module):
         slot_weights = weights.reshape(-1)
         out = self._grouped(x, slot_weights, order, counts)
         if out is None:
-            out = self._looped(x, compiled, slot_weights, order, counts.tolist())
+            out = self._looped(x, ops, slot_weights, order, counts.tolist())
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, compiled)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
         return out

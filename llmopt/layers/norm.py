@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
+from llmopt.layers.kernels import Ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,12 +34,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, compiled: bool = False):
-        """With `residual`, returns (norm(x + residual), x + residual). `compiled`: run the
-        TorchInductor version (`llmopt.layers.compiled`)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: Ops = Ops.EAGER):
+        """With `residual`, returns (norm(x + residual), x + residual). `ops`: which implementation
+        runs (`llmopt.layers.kernels`)."""
         if residual is None:
-            return kernels.call(compiled, rms_norm, x, self.weight, self.eps)
-        return kernels.call(compiled, add_rms_norm, x, residual, self.weight, self.eps)
+            return kernels.call(ops, rms_norm, x, self.weight, self.eps)
+        return kernels.call(ops, add_rms_norm, x, residual, self.weight, self.eps)
 
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,7 +65,7 @@ class OffsetRMSNorm(RMSNorm):
         with torch.no_grad():
             self.weight.zero_()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, compiled: bool = False):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: Ops = Ops.EAGER):
         if residual is None:
-            return kernels.call(compiled, offset_rms_norm, x, self.weight, self.eps)
-        return kernels.call(compiled, add_offset_rms_norm, x, residual, self.weight, self.eps)
+            return kernels.call(ops, offset_rms_norm, x, self.weight, self.eps)
+        return kernels.call(ops, add_offset_rms_norm, x, residual, self.weight, self.eps)

@@ -63,7 +63,7 @@ class CausalLM(nn.Module):
         residual = None
         for layer in self.layers[:num_layers]:
             hidden, residual = layer(rope, hidden, residual, cache, meta)
-        hidden, _ = self.norm(hidden, residual, compiled=meta.compiled)
+        hidden, _ = self.norm(hidden, residual, ops=meta.ops)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

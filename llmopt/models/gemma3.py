@@ -66,12 +66,12 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, rope, hidden, residual, cache, meta):
         """Returns (branch output, residual): the caller's next norm adds them (as llama's layers do)."""
-        fast = meta.compiled
-        hidden, residual = input_norm(self.input_layernorm, hidden, residual, fast)
+        ops = meta.ops
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual, ops)
         hidden = self.self_attn(rope[self.rope_index], hidden, cache, meta)
-        hidden = self.post_attention_layernorm(hidden, compiled=fast)
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual, compiled=fast)
-        hidden = self.post_feedforward_layernorm(self.mlp(hidden, compiled=fast), compiled=fast)
+        hidden = self.post_attention_layernorm(hidden, ops=ops)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual, ops=ops)
+        hidden = self.post_feedforward_layernorm(self.mlp(hidden, ops=ops), ops=ops)
         return hidden, residual
 
 

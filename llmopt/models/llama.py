@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
 from llmopt.layers.activation import silu_and_mul
 from llmopt.layers.attention import AttentionMetadata, PagedAttention
+from llmopt.layers.kernels import Ops
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.norm import RMSNorm
 from llmopt.layers.rotary import apply_rotary
@@ -23,12 +24,12 @@ from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
 from llmopt.models.spec import ModelSpec
 
 
-def input_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, compiled: bool):
+def input_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, ops: Ops):
     """A decoder layer's first norm: the first layer starts the residual stream with its input, the
     others add the previous layer's branch output into it (one fused add + norm). Returns (normed, residual)."""
     if residual is None:
-        return norm(hidden, compiled=compiled), hidden
-    return norm(hidden, residual, compiled=compiled)
+        return norm(hidden, ops=ops), hidden
+    return norm(hidden, residual, ops=ops)
 
 
 class LlamaAttention(nn.Module):
@@ -56,8 +57,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q, compiled=meta.compiled), self.k_norm(k, compiled=meta.compiled)], dim=1)
-        qk = kernels.call(meta.compiled, apply_rotary, qk, *rope)
+            qk = torch.cat([self.q_norm(q, ops=meta.ops), self.k_norm(k, ops=meta.ops)], dim=1)
+        qk = kernels.call(meta.ops, apply_rotary, qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, cache, meta))
@@ -76,8 +77,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype,
                                    device=device)
 
-    def forward(self, x, compiled: bool = False):
-        return self.down_proj(kernels.call(compiled, self.act, self.gate_up_proj(x), self.intermediate_size))
+    def forward(self, x, ops: Ops = Ops.EAGER):
+        return self.down_proj(kernels.call(ops, self.act, self.gate_up_proj(x), self.intermediate_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,16 +90,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int, dtype, device) -> nn.Module:
-        """The layer's MLP (`mlp(x, compiled=...)`); MoE families return their sparse block here."""
+        """The layer's MLP (`mlp(x, ops=...)`); MoE families return their sparse block here."""
         return LlamaMLP(spec, dtype, device)
 
     def forward(self, rope, hidden, residual, cache, meta):
         """`rope` is the (cos, sin) pair for this step's positions, see `CausalLM.build_rotary`."""
-        fast = meta.compiled
-        hidden, residual = input_norm(self.input_layernorm, hidden, residual, fast)
+        ops = meta.ops
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual, ops)
         hidden = self.self_attn(rope, hidden, cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, compiled=fast)
-        return self.mlp(hidden, compiled=fast), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual, ops=ops)
+        return self.mlp(hidden, ops=ops), residual
 
 
 class LlamaForCausalLM(CausalLM):

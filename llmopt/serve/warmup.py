@@ -38,7 +38,7 @@ def warm_up(engine: LLMEngine) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     # a prompt that extends a cached prefix: its prefill attends over cached context, which is its own
-    # compiled kernel on bf16 CPU engines (llmopt.layers.compiled)
+    # compiled kernel on bf16 CPU engines (llmopt.layers.kernels)
     share = long_len // 2
     if engine.config.enable_prefix_caching and share >= engine.config.block_size:
         extra = min(64, engine.max_model_len - share - 1)

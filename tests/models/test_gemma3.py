@@ -185,11 +185,11 @@ def test_alias_assembles_into_the_cache_once(tmp_path, monkeypatch):
 def test_bf16_steps_run_the_compiled_kernels_close_to_fp32(tiny_gemma3):  # noqa: F811
     """A 120-token bf16 prefill takes the compiled path (norms with the 1 + w offset, GELU-tanh GeGLU,
     causal attention with the window and query_pre_attn_scalar): its logits stay near fp32's."""
-    from llmopt.layers import compiled as kernels
+    from llmopt.layers import kernels
 
     seqs = [list(range(3, 363, 3))]
     bf16 = LLM(str(tiny_gemma3), dtype="bfloat16", num_kv_blocks=32)
-    assert kernels.wanted(torch.bfloat16, torch.device("cpu"), len(seqs[0]))
+    assert kernels.choose(torch.bfloat16, torch.device("cpu"), len(seqs[0])) is kernels.Ops.COMPILED
     got = dict(iter_logits(bf16.engine, seqs))[0]
     ref = dict(iter_logits(LLM(str(tiny_gemma3), dtype="float32", num_kv_blocks=32).engine, seqs))[0]
     assert kernels.available()

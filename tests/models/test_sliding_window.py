@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from llmopt import LLM, SamplingParams
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
 from llmopt.layers.attention.head_major import causal_attention
+from llmopt.layers.kernels import Ops
 from llmopt.models import ModelSpec, resolve_model
 from llmopt.models.llama import LlamaForCausalLM
 from tests.engine_utils import hf_greedy, token_ids
@@ -94,7 +95,7 @@ def test_causal_attention_honours_the_window(offset):
     k, v = torch.randn(hkv, offset + length, d, generator=g), torch.randn(hkv, offset + length, d, generator=g)
     ref = _sdpa_window(q, k, v, d**-0.5, offset, window)
     assert torch.allclose(causal_attention(q, k, v, d**-0.5, offset, window), ref, atol=1e-5)
-    out = kernels.call(True, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset, window)
+    out = kernels.call(Ops.COMPILED, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset, window)
     assert torch.allclose(out.float(), ref, atol=3e-2)
 
 

@@ -3,8 +3,8 @@
 The runner schedules positions of sequences over block tables; how K/V are laid out in memory, what
 per-step metadata the kernels want, and which kernels run are the backend's business. So a backend
 makes its own KV pool, turns the scheduled batch into its own metadata once per step (shared by every
-layer), and runs each layer's attention over it. Models only see `AttentionMetadata.compiled` (whether
-this step uses the compiled element-wise kernels too) and pass the metadata through.
+layer), and runs each layer's attention over it. Models only see `AttentionMetadata.ops` (which implementation
+of the element-wise functions this step runs, `llmopt.layers.kernels`) and pass the metadata through.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
+from llmopt.layers.kernels import Ops
 
 if TYPE_CHECKING:
     from llmopt.layers.attention.layer import PagedAttention
@@ -34,7 +35,7 @@ class AttentionMetadata:
     backend: AttentionBackend  # the backend that built it, and runs the layers over it
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     num_prefill_tokens: int = 0  # rows 0..num_prefill_tokens-1 are prefill chunks, the rest decodes
-    compiled: bool = False  # a big low-precision step: use llmopt.layers.compiled's kernels
+    ops: Ops = Ops.EAGER  # how this step runs the element-wise functions (llmopt.layers.kernels)
 
 
 class AttentionBackend(ABC):
@@ -43,7 +44,7 @@ class AttentionBackend(ABC):
     def __init__(self, block_size: int, device: torch.device, allow_compiled: bool = True):
         self.block_size = block_size
         self.device = torch.device(device)
-        self.allow_compiled = allow_compiled  # False: enforce_eager
+        self.allow_compiled = allow_compiled  # False: enforce_eager (eager torch only, no kernels of ours)
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -77,6 +78,6 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Write the step's K/V for `layer` and attend: q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
 
-    def use_compiled(self, dtype: torch.dtype, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` runs the compiled kernels (llmopt.layers.compiled)."""
-        return self.allow_compiled and kernels.wanted(dtype, self.device, num_tokens)
+    def choose_ops(self, dtype: torch.dtype, num_tokens: int) -> Ops:
+        """How a step of `num_tokens` runs the element-wise functions (llmopt.layers.kernels)."""
+        return kernels.choose(dtype, self.device, num_tokens) if self.allow_compiled else Ops.EAGER

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
 from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, PrefillItem
 from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
@@ -25,6 +25,7 @@ from llmopt.layers.attention.layer import PagedAttention
 from llmopt.layers.attention.paged_decode_kernel import PagedDecodeKernel
 from llmopt.layers.attention.paged_decode_kernel import load as load_decode_kernel
 from llmopt.layers.attention.paged_kv_cache import PagedKVCache
+from llmopt.layers.kernels import Ops
 
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
 # `causal_attention` holds the whole score matrix (SDPA streams it): past this many query x context
@@ -38,7 +39,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     `window` > 0: each query sees only the last `window` positions (itself included).
 
     The query heads that share a KV head are stacked into one matrix, so this is two plain matmuls around a
-    masked softmax: compiled (`llmopt.layers.compiled`), 2.2x faster than CPU SDPA in bf16 at 512 tokens.
+    masked softmax: compiled (`llmopt.layers.kernels`), 2.2x faster than CPU SDPA in bf16 at 512 tokens.
     """
     length, h, d = q.shape
     hkv = k.shape[0]
@@ -100,7 +101,7 @@ class HeadMajorBackend(AttentionBackend):
             for g in range(n_groups):
                 slots[g].extend(self._slots(tables[g], pos, pos + 1))
         mappings = [torch.tensor(s, dtype=torch.long, device=self.device) for s in slots]
-        meta = HeadMajorMetadata(self, mappings[0], num_prefill, self.use_compiled(cache.dtype, num_prefill + len(decodes)),
+        meta = HeadMajorMetadata(self, mappings[0], num_prefill, self.choose_ops(cache.dtype, num_prefill + len(decodes)),
                                  slot_mappings=mappings, prefills=chunks)
         if decodes:
             meta.decode_groups = self.decode_groups([t[:n_groups] for t, _ in decodes], [p + 1 for _, p in decodes],
@@ -167,8 +168,8 @@ class HeadMajorBackend(AttentionBackend):
             else:
                 kc, vc = pool.read(idx, chunk.slots[g])  # [Hkv, ctx, D]
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
-            if meta.compiled and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
-                outs.append(kernels.call(True, causal_attention, q[start:end], kc, vc, layer.scale,
+            if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
+                outs.append(kernels.call(Ops.COMPILED, causal_attention, q[start:end], kc, vc, layer.scale,
                                          chunk.ctx_len - chunk.q_len, layer.window or 0))
             else:
                 outs.append(_prefill_sdpa(layer, q[start:end], kc, vc, mask))

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from llmopt import LLM, SamplingParams
-from llmopt.layers import compiled as kernels
+from llmopt.layers import kernels
 from llmopt.layers.activation import silu_and_mul
 from llmopt.layers.attention.head_major import causal_attention
+from llmopt.layers.kernels import Ops
 from llmopt.layers.norm import add_rms_norm, rms_norm
 from llmopt.layers.rotary import apply_rotary
 
@@ -33,7 +34,7 @@ def test_causal_attention_matches_sdpa(offset):
     k, v = torch.randn(hkv, offset + length, d, generator=g), torch.randn(hkv, offset + length, d, generator=g)
     ref = _sdpa(q, k, v, d**-0.5, offset)
     assert torch.allclose(causal_attention(q, k, v, d**-0.5, offset), ref, atol=1e-5)
-    out = kernels.call(True, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset)
+    out = kernels.call(Ops.COMPILED, causal_attention, q.bfloat16(), k.bfloat16(), v.bfloat16(), d**-0.5, offset)
     assert causal_attention in kernels._compiled, kernels._broken
     assert torch.allclose(out.float(), ref, atol=3e-2)
 
@@ -49,7 +50,7 @@ def test_compiled_elementwise_functions_match_eager():
     cases = [(rms_norm, (x, w, 1e-5)), (add_rms_norm, (x, r, w, 1e-5)), (apply_rotary, (qk, cos, sin)),
              (silu_and_mul, (gate_up, 32))]
     for fn, args in cases:
-        got, want = kernels.call(True, fn, *args), fn(*args)
+        got, want = kernels.call(Ops.COMPILED, fn, *args), fn(*args)
         assert fn in kernels._compiled, kernels._broken
         for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
                         strict=True):
@@ -57,12 +58,16 @@ def test_compiled_elementwise_functions_match_eager():
             assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), fn.__name__
 
 
-def test_only_big_low_precision_cpu_steps_compile():
+def test_each_step_size_and_dtype_gets_its_implementation():
     cpu = torch.device("cpu")
-    assert kernels.wanted(torch.bfloat16, cpu, kernels.MIN_TOKENS)
-    assert not kernels.wanted(torch.bfloat16, cpu, kernels.MIN_TOKENS - 1)
-    assert not kernels.wanted(torch.float32, cpu, 4096)
-    assert not kernels.wanted(torch.bfloat16, torch.device("cuda"), 4096)
+    assert kernels.choose(torch.bfloat16, cpu, kernels.MIN_TOKENS) is Ops.COMPILED
+    assert kernels.choose(torch.float16, cpu, kernels.MIN_TOKENS) is Ops.COMPILED
+    assert kernels.choose(torch.bfloat16, cpu, kernels.MIN_TOKENS - 1) is Ops.NATIVE
+    assert kernels.choose(torch.float16, cpu, 1) is Ops.EAGER  # the C kernels are bf16 only
+    assert kernels.choose(torch.float32, cpu, 1) is Ops.EAGER
+    assert kernels.choose(torch.float32, cpu, 4096) is Ops.EAGER
+    assert kernels.choose(torch.bfloat16, torch.device("cuda"), 4096) is Ops.EAGER
+    assert kernels.choose(torch.bfloat16, torch.device("cuda"), 1) is Ops.EAGER
 
 
 def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama):
@@ -80,7 +85,7 @@ def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama):
 
     def prepare(scheduled):
         out = real_prepare(scheduled)
-        seen.append(out.attn_metadata.compiled)
+        seen.append(out.attn_metadata.ops is Ops.COMPILED)
         return out
 
     compiled.engine.runner.prepare = prepare
@@ -113,8 +118,8 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(monkeypatch, caplog):
     x = torch.randn(80, 8)
     torch._dynamo.reset()
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}), \
-            caplog.at_level("WARNING", logger="llmopt.layers.compiled"):
-        out = kernels.call(True, scaled_tanh, x, 1.5)
+            caplog.at_level("WARNING", logger="llmopt.layers.kernels"):
+        out = kernels.call(Ops.COMPILED, scaled_tanh, x, 1.5)
     torch._dynamo.reset()
     assert inductor_config.cpp.cxx != ("/nonexistent/c++",)  # restored for the tests that follow
     assert torch.equal(out, scaled_tanh(x, 1.5))
