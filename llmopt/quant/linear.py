@@ -250,7 +250,16 @@ class Int4WeightOnlyLinear(_QuantLinear):
 class Int8WeightOnlyLinear(_QuantLinear):
     """int8 weights; per-channel on a kernel (see module doc), anything else dequantized per call."""
 
-    native_kernel = True  # False (enforce_eager): decode-size batches on torch's kernel instead of ours
+    _native = True  # False (enforce_eager): decode-size batches on torch's kernel instead of ours
+    _decode_kernel: int8_kernel.Int8LinearKernel | bool | None = None  # None: not resolved yet; False: none
+
+    @property
+    def native_kernel(self) -> bool:
+        return self._native
+
+    @native_kernel.setter
+    def native_kernel(self, on: bool) -> None:
+        self._native, self._decode_kernel = on, None
 
     @classmethod
     def from_quantized(
@@ -318,7 +327,23 @@ class Int8WeightOnlyLinear(_QuantLinear):
             w = w - self.zero_corr[:, None]
         return w
 
+    def _resolve_decode_kernel(self) -> int8_kernel.Int8LinearKernel | bool:
+        """Our kernel, when this module's decode-size matmuls can go straight to it (CPU, per-channel,
+        no bias or zero point; x checked per call); False otherwise. Resolved once: a decode step calls
+        this module's forward per layer, and the general path's checks cost as much as a small matmul."""
+        kernel = int8_kernel.load() if self._native and self.mode == "cpu-int8" else None
+        ok = (kernel is not None and self.bias is None and self.zero_corr is None
+              and self.scales.dtype in int8_kernel.DTYPES and self.weight.is_contiguous())
+        self._decode_kernel = kernel if ok else False
+        return self._decode_kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._decode_kernel
+        if kernel is None:
+            kernel = self._resolve_decode_kernel()
+        if (kernel and x.dim() == 2 and x.shape[0] <= int8_kernel.MAX_ROWS and x.dtype == self.compute_dtype
+                and x.shape[1] == self.in_features and x.is_contiguous()):
+            return kernel(x, self.weight, self.scales)
         x2 = self._prepare(x)
         if self.mode == "dequant":
             g = self.g_idx.long()
