@@ -39,12 +39,16 @@ lint: install
 # Tests start cold, like a fresh machine: an empty LLMOPT_CACHE and HF cache in a temp folder (the
 # embedded GGUF is converted once per run, in seconds), so a warm ~/.cache can never make them pass.
 COLD = cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; LLMOPT_CACHE="$$cache/llmopt" HF_HOME="$$cache/hf"
+# One pytest worker per core (pytest-xdist), each test file on one worker (module fixtures, such as a converted
+# model, are built once) and one torch thread per worker, so the workers do not fight over cores.
+TEST_WORKERS ?= 2
+PARALLEL = OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 test: lint
-	@$(COLD) $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	@$(COLD) $(PARALLEL) -q $(PYTEST_ARGS)
 
 test-fast: install
-	@$(COLD) $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+	@$(COLD) $(PARALLEL) -q -m "not slow" $(PYTEST_ARGS)
 
 # Not part of `make test`: installs vLLM CPU (GBs) into .peers/vllm, then loads every scheme we write in it
 interop: install
