@@ -33,7 +33,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 HEADERS = [Path(__file__).with_name("native_bf16.h")]  # shared by the kernels, on their include path
 
 T = TypeVar("T")
-_loaded: dict[tuple[str, str], object] = {}  # (source, $CC) -> the wrapped library, or None once a build failed
+_loaded: dict[Path, object] = {}  # source -> the wrapped library, or None once a build failed
 
 
 class KernelBuildError(RuntimeError):
@@ -98,9 +98,10 @@ def build(source: Path, cc: str, cache_dir: Path) -> Path:
 
 
 def load(source: Path, wrap: Callable[[Path], T], fallback: str) -> T | None:
-    """`wrap(built .so)`, built on first use and kept for the process; None (after one warning naming
-    `fallback`, what runs instead) when it cannot be built or loaded here."""
-    key = (str(source), os.environ.get("CC", ""))  # no PATH search per call: this runs once per matmul
+    """`wrap(built .so)`, built on first use with the compiler of that moment and kept for the process;
+    None (after one warning naming `fallback`, what runs instead) when it cannot be built or loaded here.
+    Only a dict lookup once loaded: this runs per kernel call, many times per decode step."""
+    key = source
     if key not in _loaded:
         cc = compiler()
         try:
