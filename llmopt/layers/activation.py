@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmopt.layers import kernels
 
+
+@kernels.has_native
 def silu_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = x.split(intermediate_size, dim=-1)
     return F.silu(gate) * up
 
 
+@kernels.has_native
 def gelu_tanh_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = x.split(intermediate_size, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

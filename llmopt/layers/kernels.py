@@ -33,12 +33,20 @@ MIN_TOKENS = 64  # smallest step (tokens) that runs the compiled functions; smal
 
 _compiled: dict[Callable, Callable] = {}
 _broken: list[str] = []
+_native: dict[Callable, str] = {}  # eager function -> the `native_ops.NativeOps` method that replaces it
 
 
 class Ops(enum.Enum):
     EAGER = "eager"
     NATIVE = "native"  # llmopt.layers.native_ops
     COMPILED = "compiled"  # torch.compile (TorchInductor)
+
+
+def has_native(fn: Callable) -> Callable:
+    """Decorator for an eager function that `native_ops.NativeOps` replaces with a method of the same
+    name and signature; `Ops.NATIVE` runs only functions declared so."""
+    _native[fn] = fn.__name__
+    return fn
 
 
 def available() -> bool:
@@ -49,9 +57,9 @@ def available() -> bool:
 def call(ops: Ops, fn: Callable, *args):
     """`fn(*args)`, run by the implementation `ops` names where it has one for `fn` and these args."""
     if ops is Ops.NATIVE:
-        lib = native_ops.load()
-        native = getattr(lib, fn.__name__, None) if lib is not None else None
-        out = native(*args) if native is not None else None
+        name = _native.get(fn)
+        lib = native_ops.load() if name is not None else None
+        out = getattr(lib, name)(*args) if lib is not None else None
         if out is not None:
             return out
     elif ops is Ops.COMPILED and not _broken:

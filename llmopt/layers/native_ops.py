@@ -6,7 +6,7 @@ ctypes call per function replaces them (docs/BENCHMARKS.md, "Native element-wise
 versions (`llmopt.layers.kernels`) cost more per call than they save at these sizes.
 
 Each method has the name and signature of the eager function it replaces (`rms_norm`,
-`add_rms_norm`, ...), so `kernels.call` finds it by name, and returns None for input it does not take
+`add_rms_norm`, ...), which declares it with `@kernels.has_native`, and returns None for input it does not take
 (not bf16, not on a CPU, not laid out as it expects): the eager function runs then. The eager function
 stays the definition; the tests compare the two.
 """

@@ -12,6 +12,7 @@ from llmopt.layers import kernels
 from llmopt.layers.kernels import Ops
 
 
+@kernels.has_native
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()
@@ -19,6 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+@kernels.has_native
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual): the residual add fused into the norm."""
@@ -42,12 +44,14 @@ class RMSNorm(nn.Module):
         return kernels.call(ops, add_rms_norm, x, residual, self.weight, self.eps)
 
 
+@kernels.has_native
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
+@kernels.has_native
 def add_offset_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.layers import kernels
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -49,6 +51,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+@kernels.has_native
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (q and k heads may be stacked); computed in float32, then cast back."""
     xf = x.float()

@@ -105,6 +105,16 @@ def test_input_it_does_not_take_is_left_to_eager(ops):
         assert torch.equal(kernels.call(Ops.NATIVE, fn, *args), fn(*args))
 
 
+def test_only_declared_functions_run_native(ops):
+    """A function is replaced only when its definition declares a native version, never by its name."""
+
+    def rms_norm(x, weight, eps):  # same name and signature, other semantics
+        return x * 2
+
+    x, w = torch.randn(3, 32).bfloat16(), torch.rand(32).bfloat16()
+    assert torch.equal(kernels.call(Ops.NATIVE, rms_norm, x, w, 1e-6), x * 2)
+
+
 def test_without_a_compiler_native_steps_run_eager(no_compiler, caplog):
     x, w = torch.randn(3, 32).bfloat16(), torch.rand(32).bfloat16()
     with caplog.at_level("WARNING", logger="llmopt.native"):
