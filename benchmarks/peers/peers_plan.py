@@ -129,26 +129,30 @@ class Job:
 
 
 def jobs(sizes: Sizes, workloads: Sequence[str] = ("mixed", "single", "prefix")) -> list[Job]:
-    """The bench invocations every server gets, identical for all (same requests, seeds and warm-up)."""
-    common = ("--endpoint", "completions", "--ignore-eos", "--warmup", str(sizes.warmup), "--seed", str(sizes.seed),
-              "--no-progress")
-    out: list[Job] = []
+    """The bench invocations every server gets, identical for all (same requests, seeds and warm-up).
+
+    Each job draws its prompts from its own seed (`sizes.seed` + its index): levels that reused one seed
+    sent the same prompts again, so every level after the first measured prompt-cache hits (llama.cpp
+    reuses a whole cached prompt, we reuse whole KV blocks), not the prefill a mixed workload is about.
+    The prefix workload shares prefixes on purpose, within its own level."""
+    common = ("--endpoint", "completions", "--ignore-eos", "--warmup", str(sizes.warmup), "--no-progress")
+    out: list[tuple[str, int, tuple[str, ...]]] = []
     if "mixed" in workloads:
         for c in sizes.concurrencies:
             n = max(sizes.mixed_min, sizes.mixed_per_slot * c)
-            out.append(Job("mixed", c, ("--workload", "random", "--input-len", sizes.mixed_input, "--output-len",
-                                        sizes.mixed_output, "--num-prompts", str(n), "--concurrency", str(c), *common)))
+            out.append(("mixed", c, ("--workload", "random", "--input-len", sizes.mixed_input, "--output-len",
+                                     sizes.mixed_output, "--num-prompts", str(n), "--concurrency", str(c))))
     if "single" in workloads:
-        out.append(Job("single", 1, ("--workload", "random", "--input-len", str(sizes.single_input), "--output-len",
-                                     str(sizes.single_output), "--num-prompts", str(sizes.single_prompts),
-                                     "--concurrency", "1", *common)))
+        out.append(("single", 1, ("--workload", "random", "--input-len", str(sizes.single_input), "--output-len",
+                                  str(sizes.single_output), "--num-prompts", str(sizes.single_prompts),
+                                  "--concurrency", "1")))
     if "prefix" in workloads:
         c = sizes.prefix_concurrency
-        out.append(Job("prefix", c, ("--workload", "prefix", "--prefix-len", str(sizes.prefix_len), "--num-prefixes",
-                                     str(sizes.num_prefixes), "--suffix-len", str(sizes.prefix_suffix), "--output-len",
-                                     str(sizes.prefix_output), "--num-prompts", str(sizes.prefix_prompts),
-                                     "--concurrency", str(c), *common)))
-    return out
+        out.append(("prefix", c, ("--workload", "prefix", "--prefix-len", str(sizes.prefix_len), "--num-prefixes",
+                                  str(sizes.num_prefixes), "--suffix-len", str(sizes.prefix_suffix), "--output-len",
+                                  str(sizes.prefix_output), "--num-prompts", str(sizes.prefix_prompts),
+                                  "--concurrency", str(c))))
+    return [Job(w, c, (*args, *common, "--seed", str(sizes.seed + i))) for i, (w, c, args) in enumerate(out)]
 
 
 def plan(servers: Sequence[str], rounds: int) -> list[tuple[int, str]]:

@@ -39,10 +39,13 @@ def test_full_jobs_are_the_issues_workloads_identical_for_every_server():
         == ("32", "256", "1")
     (prefix,) = [j for j in jobs if j.workload == "prefix"]
     assert _opt(prefix.args, "--workload") == "prefix" and _opt(prefix.args, "--prefix-len") == "512"
-    for j in jobs:  # same warm-up, seed, ignore_eos and endpoint for all
-        assert "--ignore-eos" in j.args and _opt(j.args, "--warmup") == "2" and _opt(j.args, "--seed") == "0"
+    for j in jobs:  # same warm-up, ignore_eos and endpoint for all
+        assert "--ignore-eos" in j.args and _opt(j.args, "--warmup") == "2"
         assert _opt(j.args, "--endpoint") == "completions"
     assert len({j.key for j in jobs}) == len(jobs)
+    # each level its own prompts: a level that repeated another's would measure prompt-cache hits
+    assert sorted(int(_opt(j.args, "--seed")) for j in jobs) == list(range(len(jobs)))
+    assert pp.jobs(pp.FULL) == jobs  # and the same for every server
 
 
 def test_quick_is_two_concurrencies_and_sizes_are_overridable():
