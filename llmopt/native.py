@@ -101,14 +101,13 @@ def load(source: Path, wrap: Callable[[Path], T], fallback: str) -> T | None:
     """`wrap(built .so)`, built on first use with the compiler of that moment and kept for the process;
     None (after one warning naming `fallback`, what runs instead) when it cannot be built or loaded here.
     Only a dict lookup once loaded: this runs per kernel call, many times per decode step."""
-    key = source
-    if key not in _loaded:
+    if source not in _loaded:
         cc = compiler()
         try:
             if cc is None:
                 raise KernelBuildError("no C compiler found (set CC)")
-            _loaded[key] = wrap(build(source, cc, cache_root() / "kernels"))
+            _loaded[source] = wrap(build(source, cc, cache_root() / "kernels"))
         except (KernelBuildError, OSError) as e:
             log.warning("%s kernel unavailable (%s); %s", source.stem.replace("_", " "), e, fallback)
-            _loaded[key] = None
-    return _loaded[key]  # type: ignore[return-value]
+            _loaded[source] = None
+    return _loaded[source]  # type: ignore[return-value]

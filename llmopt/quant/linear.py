@@ -341,8 +341,8 @@ class Int8WeightOnlyLinear(_QuantLinear):
         kernel = self._decode_kernel
         if kernel is None:
             kernel = self._resolve_decode_kernel()
-        if (kernel and x.dim() == 2 and x.shape[0] <= int8_kernel.MAX_ROWS and x.dtype == self.compute_dtype
-                and x.shape[1] == self.in_features and x.is_contiguous()):
+        if (kernel and x.is_cpu and x.dim() == 2 and x.shape[0] <= int8_kernel.MAX_ROWS
+                and x.dtype == self.compute_dtype and x.shape[1] == self.in_features and x.is_contiguous()):
             return kernel(x, self.weight, self.scales)
         x2 = self._prepare(x)
         if self.mode == "dequant":

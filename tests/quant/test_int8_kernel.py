@@ -11,6 +11,7 @@ import pytest
 import torch
 from _qhelpers import rel_err
 
+from llmopt.errors import LlmoptError
 from llmopt.quant import Int8WeightOnlyLinear, QuantScheme, rtn_quantize
 from llmopt.quant import int8_kernel as ik
 from llmopt.quant.linear import use_native_int8_kernel
@@ -158,3 +159,32 @@ def test_w8a16_engine_decodes_through_the_kernel(tiny_llama, tmp_path, monkeypat
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
             assert abs(la[t] - lb[t]) < 0.05
+
+
+@needs_cc
+def test_decode_batches_go_straight_to_the_kernel_and_the_rest_does_not(monkeypatch):
+    """A module built for the kernel (per-channel, no bias or zero point) hands contiguous decode-size
+    batches to it directly; other input takes the general path, with its checks."""
+    w = torch.randn(48, 64) * 0.05
+    m = Int8WeightOnlyLinear.from_quantized(rtn_quantize(w, QuantScheme(bits=8, group_size=-1, symmetric=True)),
+                                            compute_dtype=torch.bfloat16)
+    asym = Int8WeightOnlyLinear.from_quantized(rtn_quantize(w, QuantScheme(bits=8, group_size=-1, symmetric=False)),
+                                               compute_dtype=torch.bfloat16)
+    calls = []
+    real = ik.Int8LinearKernel.__call__
+    monkeypatch.setattr(ik.Int8LinearKernel, "__call__", lambda self, x, *a: calls.append(tuple(x.shape)) or real(self, x, *a))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(m(x), real(ik.load(), x, m.weight, m.scales)) and calls == [(3, 64)]
+    calls.clear()
+    assert m(x.unsqueeze(0)).shape == (1, 3, 48) and calls == [(3, 64)]  # 3-D: reshaped by the general path
+    calls.clear()
+    wide = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert torch.equal(m(wide[:, ::2]), m(wide[:, ::2].contiguous()))  # strided: general path, same result
+    asym(x)
+    assert m._decode_kernel and asym._decode_kernel is False  # a zero point needs the general path's correction
+    with pytest.raises(LlmoptError, match="was packed for cpu"):
+        m(torch.empty(2, 64, dtype=torch.bfloat16, device="meta"))
+    m.native_kernel = False  # enforce_eager: resolved again, to none
+    calls.clear()
+    m(x)
+    assert calls == [] and m._decode_kernel is False
