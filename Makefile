@@ -40,9 +40,11 @@ lint: install
 # embedded GGUF is converted once per run, in seconds), so a warm ~/.cache can never make them pass.
 COLD = cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; LLMOPT_CACHE="$$cache/llmopt" HF_HOME="$$cache/hf"
 # One pytest worker per core (pytest-xdist), each test file on one worker (module fixtures, such as a converted
-# model, are built once) and one torch thread per worker, so the workers do not fight over cores.
+# model, are built once), files with slow tests handed out first (tests/conftest.py orders them; xdist would
+# otherwise reorder files by test count, which starts the slowest, few-test files last) and one torch thread
+# per worker, so the workers do not fight over cores.
 TEST_WORKERS ?= 2
-PARALLEL = OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
+PARALLEL = OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint
 	@$(COLD) $(PARALLEL) -q $(PYTEST_ARGS)

@@ -45,3 +45,12 @@ def no_compiler(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("LLMOPT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_loaded", {})
     return tmp_path / "cache"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with slow tests run first (the order within each file is kept). `make test` hands
+    whole files to its two workers in this order (`--dist loadfile --no-loadscope-reorder`), so the
+    minutes-long files start early on both, and short ones fill in at the end instead of a long file
+    starting last on one worker while the other sits idle (18 min against 12 for the same suite)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: False (slow files) first
