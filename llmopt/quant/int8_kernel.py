@@ -38,9 +38,13 @@ class Int8LinearKernel:
         self._fn, self._lib, self.path = fn, lib, path
 
     @staticmethod
-    def supports(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
-        return (x2.device.type == "cpu" and x2.dtype in DTYPES and scales.dtype == x2.dtype
-                and weight.dtype == torch.int8 and weight.is_contiguous())
+    def takes(weight: torch.Tensor, scales: torch.Tensor) -> bool:
+        """Whether the kernel reads this weight and its scales as they are (x is checked per call)."""
+        return weight.dtype == torch.int8 and weight.is_contiguous() and scales.dtype in DTYPES
+
+    @classmethod
+    def supports(cls, x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
+        return x2.device.type == "cpu" and scales.dtype == x2.dtype and cls.takes(weight, scales)
 
     def __call__(self, x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] (bf16 or float32); weight int8 [N, K]; scales [N] in x2's dtype. Returns [M, N]."""

@@ -333,7 +333,7 @@ class Int8WeightOnlyLinear(_QuantLinear):
         this module's forward per layer, and the general path's checks cost as much as a small matmul."""
         kernel = int8_kernel.load() if self._native and self.mode == "cpu-int8" else None
         ok = (kernel is not None and self.bias is None and self.zero_corr is None
-              and self.scales.dtype in int8_kernel.DTYPES and self.weight.is_contiguous())
+              and kernel.takes(self.weight, self.scales))
         self._decode_kernel = kernel if ok else False
         return self._decode_kernel
 
