@@ -23,9 +23,9 @@ import llmopt.native as native
 SOURCE = Path(__file__).with_name("native_ops.c")
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """bf16 on a CPU, rows of a 2-D view with a contiguous last dimension."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
+def _bf16_cpu(x: torch.Tensor, dims: int) -> bool:
+    """bf16 on a CPU, `dims` dimensions, the last one contiguous (the rows may lie further apart)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == dims and x.stride(-1) == 1
 
 
 class NativeOps:
@@ -43,7 +43,7 @@ class NativeOps:
 
     # ---- norm.py ----------------------------------------------------------------------------
     def _norm(self, x, residual, weight, eps, offset):
-        if not (_rows(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+        if not (_bf16_cpu(x, 2) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
                 and weight.shape == x.shape[-1:]):
             return None
         if residual is not None and not (residual.dtype == torch.bfloat16 and residual.is_contiguous()
@@ -72,8 +72,7 @@ class NativeOps:
     # ---- rotary.py --------------------------------------------------------------------------
     def apply_rotary(self, x, cos, sin):
         """x [T, H, D] with contiguous heads (a view of the fused qkv output is fine); cos, sin [T, 1, D]."""
-        if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.stride(1) == x.shape[2] and cos.dtype == sin.dtype == torch.float32
+        if not (_bf16_cpu(x, 3) and x.stride(1) == x.shape[2] and cos.dtype == sin.dtype == torch.float32
                 and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == x.shape[0] * x.shape[2]):
             return None
         t, h, d = x.shape
@@ -84,7 +83,7 @@ class NativeOps:
 
     # ---- activation.py ----------------------------------------------------------------------
     def _gated(self, x, intermediate_size, gelu):
-        if not (_rows(x) and x.is_contiguous() and x.shape[1] == 2 * intermediate_size):
+        if not (_bf16_cpu(x, 2) and x.is_contiguous() and x.shape[1] == 2 * intermediate_size):
             return None
         out = torch.empty(x.shape[0], intermediate_size, dtype=torch.bfloat16)
         self._lib.gated_act_bf16(x.data_ptr(), x.shape[0], intermediate_size, gelu, out.data_ptr(),
