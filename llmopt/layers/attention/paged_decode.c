@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void attend_vec(
         const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table, int64_t lo, int64_t hi,
         int64_t first, int64_t G, const int64_t D, int64_t bs, float scale, uint16_t *out, float *buf) {
     enum { MAXDV = 8, ACC = 16 };  // D <= 256; output registers per pass over V
-    const int64_t DV = D / 32, DF = D / 16, GB = ACC / DF > 0 ? ACC / DF : 1;
+    const int64_t DV = D / 32, DF = D / 16, GB = ACC / DF;  // D <= 256: at least one head per pass
     const int64_t span = hi - lo;
     float *sc = buf, sum[64];
     __m512 vmx[64];
@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void attend_vec(
             for (int64_t r = r0; r < r1; r++, p++) {
                 __m512 row[16];
                 for (int64_t t = 0; t < DF; t++) row[t] = bf16x16_to_f32(blk + r * D + 16 * t);
-                for (int64_t gi = 0; gi < GB && gi * DF < ACC; gi++) {
+                for (int64_t gi = 0; gi < GB; gi++) {
                     const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] : 0.f);
                     for (int64_t t = 0; t < DF; t++) acc[gi * DF + t] = _mm512_fmadd_ps(w, row[t], acc[gi * DF + t]);
                 }
