@@ -24,12 +24,14 @@ import torch
 
 import llmopt.native as native
 from llmopt import LLM, SamplingParams
+from llmopt.layers import packed_linear
 from llmopt.layers.attention import paged_decode_kernel
 from llmopt.quant import Int8WeightOnlyLinear, int8_kernel
 
 KERNELS = {  # name -> (module that loads it, its wrapper class)
     "paged_decode": (paged_decode_kernel, paged_decode_kernel.PagedDecodeKernel),
     "int8_linear": (int8_kernel, int8_kernel.Int8LinearKernel),
+    "bf16_linear": (packed_linear, packed_linear.Bf16LinearKernel),  # the same VNNI layout on both sides
 }
 
 
@@ -49,6 +51,8 @@ def use(llm: LLM, module, lib) -> None:
     for m in llm.engine.model.modules():
         if isinstance(m, Int8WeightOnlyLinear):
             m.native_kernel = m.native_kernel  # the setter forgets the resolved kernel
+        elif isinstance(m, packed_linear.PackedLinear) and m.kernel is not None and module is packed_linear:
+            m.kernel = lib  # each module holds the kernel it packed for
 
 
 def main() -> None:

@@ -1,29 +1,79 @@
-"""Dense bf16/fp16 projections with their weight packed once for oneDNN, for engines on a CPU.
+"""Dense bf16/fp16 projections with their weight packed once for a faster matmul, for engines on a CPU.
 
-Why: torch's CPU `F.linear` in bf16 hands oneDNN a plain row-major weight on every call, and at decode
-sizes (a few rows of activations) that matmul streams the weight at about two thirds of the speed of
-the same oneDNN matmul over a weight reordered once into its blocked layout. Decode reads every weight
-per token, so that is the decode speed. vLLM's CPU backend packs its linears the same way.
+Why: decode reads every weight per token, so the matmul's speed at a few rows of activations is the
+decode speed, and torch's CPU `F.linear` is far from memory speed there. Two packings, one per module:
+- bf16 where the CPU has AVX512-BF16: our kernel (`bf16_linear.c`) over the weight in VNNI pairs
+  (`pack_vnni`). It streams the weight at memory speed at one row and stays ahead of oneDNN at every
+  batch size measured (docs/BENCHMARKS.md, "bf16 matmul over VNNI pairs");
+- otherwise (fp16, older CPUs, no C compiler): oneDNN's blocked layout, which streams at about 1.5x the
+  speed of `F.linear`'s plain weight at decode sizes. vLLM's CPU backend packs its linears this way.
 
-In bf16 it is the same kernel: outputs are bitwise equal to `F.linear` on decode-size batches and
-within bf16 rounding on big ones (fp16: within fp16 rounding). fp32 is never packed, so greedy fp32
-output stays token-identical to transformers. A tied lm_head gets a packed copy and the embedding keeps
-the plain weight for its lookups, as vLLM does (one more vocab x hidden matrix in memory).
+Both sum products in float32 and round once: outputs equal `F.linear`'s up to the order of the float32
+sums (bf16: bitwise on the decode sizes tested). fp32 is never packed, so greedy fp32 output stays
+token-identical to transformers. A tied lm_head gets a packed copy and the embedding keeps the plain
+weight for its lookups, as vLLM does (one more vocab x hidden matrix in memory).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 
+import llmopt.native as native
 from llmopt.layers.linear import FusedLinear, set_submodule
 from llmopt.layers.moe import SparseMoeBlock
 
 log = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+SOURCE = Path(__file__).with_name("bf16_linear.c")
+PANEL = 64  # outputs per panel of the VNNI layout (bf16_linear.c's PANEL)
+
+
+class Bf16LinearKernel:
+    """The loaded `bf16_linear.c`; `available` is False where the build has no AVX512-BF16."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.bf16_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+        lib.bf16_linear.restype = ctypes.c_int
+        self.available = bool(lib.bf16_linear_available())
+        self._fn, self.path = lib.bf16_linear, path
+
+    def __call__(self, x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x2 [M, K] bf16 contiguous; `packed` from pack_vnni of an [n, K] weight; bias [n] bf16 or None."""
+        m, k = x2.shape
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if self._fn(x2.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
+                    out.data_ptr(), torch.get_num_threads()) != 0:
+            raise RuntimeError("bf16 linear kernel: this build has no AVX512-BF16")
+        return out
+
+
+def vnni_kernel() -> Bf16LinearKernel | None:
+    """Our bf16 kernel where it runs here, else None (after one warning if it could not be built)."""
+    kernel = native.load(SOURCE, Bf16LinearKernel, "bf16 linears use oneDNN's packed weights")
+    return kernel if kernel is not None and kernel.available else None
+
+
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (K even) -> the flat VNNI layout of bf16_linear.c: N padded to 16 with zero rows, panels of
+    PANEL outputs, each [K / 2][width][2]."""
+    n, k = weight.shape
+    w = torch.cat([weight, weight.new_zeros(-n % 16, k)]) if n % 16 else weight
+    return torch.cat([p.reshape(-1, k // 2, 2).transpose(0, 1).flatten() for p in w.split(PANEL)])
+
+
+def unpack_vnni(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_vnni's inverse: the [n, k] weight."""
+    n16 = -(-n // 16) * 16
+    panels = packed.split([min(PANEL, n16 - p) * k for p in range(0, n16, PANEL)])
+    return torch.cat([p.view(k // 2, -1, 2).transpose(0, 1).reshape(-1, k) for p in panels])[:n]
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -36,25 +86,36 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight in oneDNN's blocked layout. The packed weight is the module's
-    only copy: `weight` unpacks it (slow, for inspection) and `state_dict()` writes it unpacked."""
+    """`nn.Linear` with its weight packed for our bf16 kernel (VNNI pairs) or oneDNN (its blocked layout).
+    The packed weight is the module's only copy: `weight` unpacks it (slow, for inspection) and
+    `state_dict()` writes it unpacked. `vnni=False` keeps oneDNN's layout (the A/B in benchmarks)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, vnni: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
+        weight = linear.weight.detach().contiguous()
         self.dtype = weight.dtype
-        # the batch size is a hint for the layout; decode batches are the ones the layout is for
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        ok = vnni and self.dtype == torch.bfloat16 and self.in_features % 2 == 0 and weight.device.type == "cpu"
+        self.kernel = vnni_kernel() if ok else None
+        if self.kernel is not None:
+            self.packed = pack_vnni(weight)
+        else:  # the batch size is a hint for the layout; decode batches are the ones the layout is for
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     @property
     def weight(self) -> torch.Tensor:
+        if self.kernel is not None:
+            return unpack_vnni(self.packed, self.out_features, self.in_features)
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
+        if self.kernel is not None:
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            bias = None if self.bias is None else self.bias.contiguous()
+            return self.kernel(x2, self.packed, bias, self.out_features).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -62,7 +123,8 @@ class PackedLinear(nn.Module):
         destination[prefix + "weight"] = self.weight
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+        layout = "vnni" if self.kernel is not None else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, {layout}"
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -1,5 +1,5 @@
-"""oneDNN-packed bf16/fp16 linears (CPU engines): the same results as F.linear, swapped in only where
-they apply, and an engine that packs generating what an eager one does."""
+"""Packed bf16/fp16 linears (CPU engines), on our VNNI-pair kernel or oneDNN's layout: the same results as
+F.linear, swapped in only where they apply, and an engine that packs generating what an eager one does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from torch import nn
 from llmopt import LLM, SamplingParams
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.moe import SparseMoeBlock
-from llmopt.layers.packed_linear import PackedLinear, pack_linears, packing_supported
+from llmopt.layers.packed_linear import (
+    PackedLinear,
+    pack_linears,
+    pack_vnni,
+    packing_supported,
+    unpack_vnni,
+    vnni_kernel,
+)
 from llmopt.quant.linear import Int8WeightOnlyLinear
 from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.scheme import QuantScheme
@@ -20,20 +27,30 @@ from llmopt.testing.tiny_model import write_tiny_moe
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, CPU),
                                    reason="this torch build's oneDNN has no bf16 matmul")
+needs_vnni = pytest.mark.skipif(vnni_kernel() is None, reason="no AVX512-BF16 (or no C compiler) here")
+
+
+def _linear(n: int, k: int, bias: bool, dtype: torch.dtype, g: torch.Generator) -> nn.Linear:
+    lin = nn.Linear(k, n, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin
 
 
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(dtype, bias):
+@pytest.mark.parametrize("vnni", [False, True])
+def test_packed_linear_matches_f_linear(dtype, bias, vnni):
     if not packing_supported(dtype, CPU):
         pytest.skip(f"no oneDNN {dtype} matmul here")
     g = torch.Generator().manual_seed(0)
-    lin = nn.Linear(96, 200, bias=bias, dtype=dtype)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(200, 96, generator=g))
-    packed = PackedLinear(lin)
-    for rows in (1, 3, 16):  # decode sizes: in bf16 the very same oneDNN kernel, bitwise
+    lin = _linear(200, 96, bias, dtype, g)
+    packed = PackedLinear(lin, vnni=vnni)
+    assert (packed.kernel is not None) == (vnni and dtype == torch.bfloat16 and vnni_kernel() is not None)
+    for rows in (1, 3, 16):  # decode sizes: bf16 sums in F.linear's order (oneDNN's very kernel), bitwise
         x = torch.randn(rows, 96, generator=g).to(dtype)
         got, want = packed(x), F.linear(x, lin.weight, lin.bias)
         if dtype == torch.bfloat16:
@@ -47,6 +64,46 @@ def test_packed_linear_matches_f_linear(dtype, bias):
     assert torch.allclose(got.float(), want, atol=0.1, rtol=0.02)
     assert torch.equal(packed.weight, lin.weight)  # unpacks back exactly
     assert torch.equal(packed.state_dict()["weight"], lin.weight)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("n", "k"), [(7, 34), (64, 64), (130, 576), (1000, 96)])
+def test_vnni_kernel_matches_float32_sums_at_every_batch_shape(n, k):
+    """Outputs that are not a whole vector or panel (n % 16, n % 64), and batches that end mid-pass (6 rows)
+    or mid work item (48 rows): each output is the float32 sum rounded once to bf16, so it is within one
+    bf16 rounding of the float32 reference."""
+    g = torch.Generator().manual_seed(1)
+    lin = _linear(n, k, True, torch.bfloat16, g)
+    packed = PackedLinear(lin)
+    assert packed.kernel is not None
+    w, b = lin.weight.float(), lin.bias.float()
+    for rows in (1, 2, 5, 6, 7, 13, 47, 48, 49, 100):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        want = F.linear(x.float(), w, b)
+        got = packed(x)
+        assert got.shape == (rows, n)
+        assert torch.allclose(got.float(), want, rtol=2**-8, atol=1e-3), rows
+
+
+@needs_vnni
+def test_vnni_pack_keeps_every_weight_once_in_pairs():
+    w = torch.arange(70 * 6, dtype=torch.float32).view(70, 6).to(torch.bfloat16)  # exact small integers
+    flat = pack_vnni(w)
+    assert flat.numel() == 80 * 6  # 70 rows padded to 80 with zeros
+    # panel 0 (outputs 0-63), pair row 0: w[0,0], w[0,1], w[1,0], w[1,1], ...
+    assert flat[:4].tolist() == [w[0, 0].item(), w[0, 1].item(), w[1, 0].item(), w[1, 1].item()]
+    assert torch.equal(unpack_vnni(flat, 70, 6), w)
+
+
+def test_packed_linear_keeps_onednn_layout_without_a_compiler(no_compiler):
+    """No C compiler: the bf16 linear packs for oneDNN instead, and still computes F.linear."""
+    if not packing_supported(torch.bfloat16, CPU):
+        pytest.skip("this torch build's oneDNN has no bf16 matmul")
+    lin = _linear(40, 32, False, torch.bfloat16, torch.Generator().manual_seed(2))
+    packed = PackedLinear(lin)
+    assert packed.kernel is None and "onednn" in repr(packed)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    assert torch.equal(packed(x), F.linear(x, lin.weight))
 
 
 @needs_packing
