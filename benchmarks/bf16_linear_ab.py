@@ -1,10 +1,12 @@
-"""Our bf16 matmul over VNNI pairs against oneDNN's packed layout, in ONE engine process: per call over the
-model's linears at several batch sizes, then single-stream decode and the mixed workload.
+"""Our matmul over weights in VNNI pairs (`layers/bf16_linear.c`) against what ran before it, in ONE engine
+process: bf16 linears against oneDNN's packed layout, W8A16's int8 linears against `Int8WeightOnlyLinear`
+(`int8_linear.c` to 16 rows, dequantize + matmul past that). Per call over the model's linears at several
+batch sizes, then single-stream decode and the mixed workload.
 
     OMP_NUM_THREADS=1 python benchmarks/bf16_linear_ab.py [--model smollm2-135m] [--rounds 3] [--rows 1,2,4,8,16,64,256]
 
-The engine's bf16 linears are held in both layouts (same weights), and rounds swap the modules in place,
-alternating which side goes first. Calls: every linear once per timing (the tied head included), best
+The engine is built with its int8 linears as loaded, and both sides are held (same weights); rounds swap
+the modules in place, alternating which side goes first. Calls: every linear once per timing (the tied head included), best
 of the rounds. Engine: single stream (32-token prompt, 256 tokens, ignore_eos) and mixed (24 requests,
 prompts 32-512, outputs 16-256, at most 8 at once), medians of the rounds. Absolute figures on shared
 machines are noise; the ratios are the result.
@@ -20,30 +22,36 @@ import time
 import torch
 from torch import nn
 
+import llmopt.engine.builder as builder
 from llmopt import LLM, SamplingParams
 from llmopt.layers.linear import set_submodule
-from llmopt.layers.packed_linear import PackedLinear
+from llmopt.layers.packed_linear import PackedLinear, vnni_kernel
+from llmopt.quant.packed_int8 import PackedInt8Linear
 
-SIDES = ("onednn", "vnni")
+SIDES = ("before", "vnni")
 
 
-def both_layouts(llm: LLM) -> dict[str, dict[str, PackedLinear]]:
-    """name -> module, per side: the engine's own PackedLinears (VNNI) and oneDNN copies of them."""
-    sides: dict[str, dict[str, PackedLinear]] = {s: {} for s in SIDES}
+def both_layouts(llm: LLM) -> dict[str, dict[str, nn.Module]]:
+    """name -> module, per side: bf16 linears in oneDNN's layout and in VNNI pairs (the engine's own), the
+    int8 linears as loaded and in VNNI pairs."""
+    kernel = vnni_kernel()
+    if kernel is None:
+        raise SystemExit("no VNNI kernel here (no AVX512-BF16 or no C compiler)")
+    sides: dict[str, dict[str, nn.Module]] = {s: {} for s in SIDES}
     for name, mod in llm.engine.model.named_modules():
-        if isinstance(mod, PackedLinear):
+        if isinstance(mod, PackedLinear) and mod.kernel is not None:
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=mod.dtype)
             with torch.no_grad():
                 lin.weight.copy_(mod.weight)
                 if mod.bias is not None:
                     lin.bias.copy_(mod.bias)
-            sides["vnni"][name], sides["onednn"][name] = mod, PackedLinear(lin, vnni=False)
-    if not sides["vnni"] or any(m.kernel is None for m in sides["vnni"].values()):
-        raise SystemExit("the engine's bf16 linears are not on the VNNI kernel here (no AVX512-BF16 or no compiler)")
+            sides["vnni"][name], sides["before"][name] = mod, PackedLinear(lin, vnni=False)
+        elif PackedInt8Linear.takes(mod):
+            sides["vnni"][name], sides["before"][name] = PackedInt8Linear(mod, kernel), mod
     return sides
 
 
-def time_calls(mods: dict[str, PackedLinear], rows: int) -> float:
+def time_calls(mods: dict[str, nn.Module], rows: int) -> float:
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {m.in_features for m in mods.values()}}
     t0 = time.perf_counter()
     for m in mods.values():
@@ -71,15 +79,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default="1,2,4,8,16,64,256")
     args = ap.parse_args()
+    builder.pack_int8_linears = lambda model: 0  # the int8 linears stay as loaded: both sides are made below
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=8)
     sides = both_layouts(llm)
-    mb = sum(m.in_features * m.out_features * 2 for m in sides["vnni"].values()) / 1e6
-    print(f"{len(sides['vnni'])} bf16 linears, {mb:.0f} MB; torch threads {torch.get_num_threads()}")
+    n8 = sum(isinstance(m, PackedInt8Linear) for m in sides["vnni"].values())
+    mb = sum(m.packed.numel() * m.packed.element_size() for m in sides["vnni"].values()) / 1e6
+    print(f"{len(sides['vnni']) - n8} bf16 and {n8} int8 linears, {mb:.0f} MB; torch threads {torch.get_num_threads()}")
     for rows in (int(r) for r in args.rows.split(",")):
         best = {s: min(time_calls(sides[s], rows) for _ in range(args.rounds)) for s in SIDES}
-        print(f"calls, {rows:3d} rows: oneDNN {best['onednn'] * 1e3:7.1f} ms ({mb / best['onednn'] / 1e3:4.1f} GB/s), "
+        print(f"calls, {rows:3d} rows: before {best['before'] * 1e3:7.1f} ms ({mb / best['before'] / 1e3:4.1f} GB/s), "
               f"VNNI {best['vnni'] * 1e3:7.1f} ms ({mb / best['vnni'] / 1e3:4.1f} GB/s) -> "
-              f"{best['onednn'] / best['vnni']:.2f}x", flush=True)
+              f"{best['before'] / best['vnni']:.2f}x", flush=True)
     tps: dict[tuple[str, str], list[float]] = {(w, s): [] for w in ("single", "mixed") for s in SIDES}
     generate(llm, 0, mixed=True)  # compiles the prefill kernels both sides share
     for i in range(args.rounds):
@@ -91,8 +101,8 @@ def main() -> None:
             print(f"round {i + 1} {side}: single {tps[('single', side)][-1]:.1f}, "
                   f"mixed {tps[('mixed', side)][-1]:.1f} out tok/s", flush=True)
     for w in ("single", "mixed"):
-        a, b = statistics.median(tps[(w, "onednn")]), statistics.median(tps[(w, "vnni")])
-        print(f"{args.model} bf16 {w}: oneDNN {a:.1f}, VNNI {b:.1f} out tok/s -> {b / a:.2f}x")
+        a, b = statistics.median(tps[(w, "before")]), statistics.median(tps[(w, "vnni")])
+        print(f"{args.model} {w}: before {a:.1f}, VNNI {b:.1f} out tok/s -> {b / a:.2f}x")
 
 
 if __name__ == "__main__":

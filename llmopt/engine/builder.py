@@ -28,6 +28,7 @@ from llmopt.models.spec import ModelSpec
 from llmopt.models.tokenizer import load_tokenizer
 from llmopt.quant.checkpoint import kv_cache_scales
 from llmopt.quant.linear import use_native_int8_kernel
+from llmopt.quant.packed_int8 import pack_int8_linears
 
 DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
 
@@ -83,8 +84,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
             continue
         if config.enforce_eager:  # int8 weights on torch's kernel, not ours
             use_native_int8_kernel(m, False)
-        else:  # bf16/fp16 on a CPU: weights packed once for oneDNN (faster decode)
+        else:  # bf16/fp16 on a CPU: weights packed once (faster decode), W8A16's int8 ones too
             pack_linears(m)
+            pack_int8_linears(m)
     kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
                                                              draft is not None)
     if kv_scales is not None and kv_cache.quantized:

@@ -1,5 +1,7 @@
-// bf16 matmul over a weight packed once in VNNI pairs: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bf16 in and
-// out, products summed in float32 and rounded once. Built and loaded by packed_linear.py.
+// bf16 matmul over a weight packed once in VNNI pairs: y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] + bias[N],
+// x and y bf16; w bf16, or int8 with per-output scales (W8A16: each weight converted to bf16 exactly once per
+// pass, shared by the pass's rows); products summed in float32, scaled, biased and rounded once. Built and
+// loaded by packed_linear.py.
 //
 // Why this layout: with the weight row-major, each output is a dot product along K that ends in a horizontal
 // sum, and at decode sizes those sums cost as much as the products. Packed as pairs of K for 16 outputs at a
@@ -9,8 +11,8 @@
 // a few rows it is bound by vdpbf16ps.
 //
 // The packed weight (see pack_vnni in packed_linear.py): N rounded up to 16 with zero rows, cut into panels of
-// PANEL outputs (the last one may be narrower, a multiple of 16); panel p starts at wp + PANEL * p * K and is
-// laid out [K / 2][width][2]. K is even.
+// PANEL outputs (the last one may be narrower, a multiple of 16); panel p starts PANEL * p * K elements in
+// and is laid out [K / 2][width][2]. K is even.
 #include <stdint.h>
 #include <string.h>
 
@@ -32,18 +34,35 @@ int bf16_linear_available(void) {
 }
 
 #ifdef __AVX512BF16__
+#include <stdlib.h>
+
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {  // 16 bf16 as float32, masked
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
 // rows x[0..mt) against one panel of nv vectors; `valid` of its outputs are written (the rest is padding).
-// Inlined with constant mt and nv (see panel) so the accumulators stay in registers.
+// Inlined with constant mt, nv and int8 (see panel) so the accumulators stay in registers.
 static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x, const int mt, int64_t K,
-                                                              const uint16_t *wp, const int nv, const uint16_t *bias,
+                                                              const void *wp, const int int8, const int nv,
+                                                              const uint16_t *scale, const uint16_t *bias,
                                                               uint16_t *y, int64_t N, int64_t valid) {
     __m512 acc[MT][NV];
     for (int m = 0; m < MT; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
-        const uint16_t *wk = wp + k * nv * 16;  // the pair row k / 2 of this panel: nv * 16 outputs x 2
-        __m512bh w[NV];
-        for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
+        __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
+        if (int8) {
+            const int8_t *wk = (const int8_t *)wp + k * nv * 16;
+            for (int v = 0; v < nv; v++) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(wk + v * 32));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+                w[v] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: |w| <= 128
+            }
+        } else {
+            const uint16_t *wk = (const uint16_t *)wp + k * nv * 16;
+            for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
+        }
         for (int m = 0; m < mt; m++) {
             int32_t pair;
             memcpy(&pair, x + m * K + k, sizeof pair);
@@ -54,47 +73,79 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
     for (int v = 0; v < nv; v++) {
         const int64_t left = valid - v * 16;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512 b = _mm512_setzero_ps();
-        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + v * 16)), 16));
+        const __m512 s = scale ? load_bf16x16(scale + v * 16, mask) : _mm512_set1_ps(1.f);
+        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
         for (int m = 0; m < mt; m++)
             _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][v], s, b)));
     }
 }
 
-#define CASE(mt, nv) case (mt) * 8 + (nv): panel_mt_nv(x, mt, K, wp, nv, bias, y, N, valid); break;
+#define CASE(mt, nv) case (mt) * 8 + (nv): \
+    if (int8) panel_mt_nv(x, mt, K, wp, 1, nv, scale, bias, y, N, valid); \
+    else panel_mt_nv(x, mt, K, wp, 0, nv, scale, bias, y, N, valid); \
+    break;
 #define CASES(mt) CASE(mt, 1) CASE(mt, 2) CASE(mt, 3) CASE(mt, 4)
 
-static void panel(const uint16_t *x, int mt, int64_t K, const uint16_t *wp, int nv, const uint16_t *bias,
-                  uint16_t *y, int64_t N, int64_t valid) {
+static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int int8, int nv, const uint16_t *scale,
+                  const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
     switch (mt * 8 + nv) {
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
         default: break;
     }
 }
+
+// An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
+static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(w + i));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+        _mm512_storeu_si512((void *)(out + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
 #endif
 
-// Returns 0, or 1 where this build has no AVX512-BF16 (the caller keeps its other path).
-int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, const uint16_t *bias, int64_t N,
-                uint16_t *y, int nthreads) {
+// `int8`: wp holds int8 weights (scale required), else bf16 (scale optional). An int8 weight is converted to
+// bf16 per pass over a panel (MT rows); past one pass per work item, each thread converts a panel once into
+// its own buffer and runs the passes in bf16 instead (the conversion bounds a pass, not the products).
+// Returns 0; 1 where this build has no AVX512-BF16 (the caller keeps its other path); 2 when out of memory.
+int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
+                const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
-    #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
-            const int64_t valid = N - n0 < width ? N - n0 : width;
-            const int64_t m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
-            for (int64_t m0 = c * M_CHUNK; m0 < m_end; m0 += MT) {
-                const int64_t mt = m_end - m0 < MT ? m_end - m0 : MT;
-                panel(x + m0 * K, (int)mt, K, wp + n0 * K, (int)(width / 16), bias ? bias + n0 : NULL,
-                      y + m0 * N + n0, N, valid);
+    const int widen = int8 && M > MT;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint16_t *buf = widen ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(PANEL * K)) : NULL;
+        int64_t held = -1;  // the panel in buf
+        failed = widen && !buf;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < panels; p++)
+            for (int64_t c = 0; c < chunks; c++) {
+                if (failed) continue;
+                const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
+                const int64_t valid = N - n0 < width ? N - n0 : width;
+                const int64_t m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
+                const void *w = int8 ? (const void *)((const int8_t *)wp + n0 * K)
+                                     : (const void *)((const uint16_t *)wp + n0 * K);
+                int w8 = int8;
+                if (widen) {
+                    if (held != p) widen_panel((const int8_t *)w, width * K, buf);
+                    held = p, w = buf, w8 = 0;
+                }
+                for (int64_t m0 = c * M_CHUNK; m0 < m_end; m0 += MT) {
+                    const int64_t mt = m_end - m0 < MT ? m_end - m0 : MT;
+                    panel(x + m0 * K, (int)mt, K, w, w8, (int)(width / 16), scale ? scale + n0 : NULL,
+                          bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid);
+                }
             }
-        }
-    return 0;
+        free(buf);
+    }
+    return failed ? 2 : 0;
 #else
-    (void)x; (void)M; (void)K; (void)wp; (void)bias; (void)N; (void)y; (void)nthreads;
+    (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
     return 1;
 #endif
 }

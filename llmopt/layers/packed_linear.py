@@ -40,19 +40,29 @@ class Bf16LinearKernel:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.bf16_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+        lib.bf16_linear.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int]
         lib.bf16_linear.restype = ctypes.c_int
         self.available = bool(lib.bf16_linear_available())
         self._fn, self.path = lib.bf16_linear, path
 
-    def __call__(self, x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x2 [M, K] bf16 contiguous; `packed` from pack_vnni of an [n, K] weight; bias [n] bf16 or None."""
+    def __call__(self, x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+        """(x2 @ w.T) * scale + bias. x2 [M, K] bf16 contiguous; `packed`: pack_vnni of an [n, K] weight, bf16
+        or int8 (then `scale` is required); scale and bias: [n] bf16 contiguous, or None."""
         m, k = x2.shape
+        int8 = packed.dtype == torch.int8
+        if int8 and scale is None:
+            raise ValueError("bf16 linear kernel: int8 weights need their scales")
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        if self._fn(x2.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
-                    out.data_ptr(), torch.get_num_threads()) != 0:
-            raise RuntimeError("bf16 linear kernel: this build has no AVX512-BF16")
+        rc = self._fn(x2.data_ptr(), m, k, packed.data_ptr(), int(int8), _ptr(scale), _ptr(bias), n, out.data_ptr(),
+                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("bf16 linear kernel: " + ("no AVX512-BF16 in this build" if rc == 1 else "out of memory"))
         return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def vnni_kernel() -> Bf16LinearKernel | None:

@@ -129,9 +129,12 @@ def test_failed_build_falls_back_to_torch(no_compiler, caplog):
 
 @needs_cc
 def test_w8a16_engine_decodes_through_the_kernel(tiny_llama, tmp_path, monkeypatch):
-    """A bf16 W8A16 engine decodes through the kernel and agrees with an enforce_eager one (torch's int8
-    kernel): the same greedy tokens, logprobs within a few hundredths."""
+    """A bf16 W8A16 engine decodes through our kernel (the int8 weights in VNNI pairs where the CPU has
+    AVX512-BF16, else `int8_linear.c`) and agrees with an enforce_eager one (torch's int8 kernel): the
+    same greedy tokens, logprobs within a few hundredths."""
     from llmopt import LLM, SamplingParams
+    from llmopt.layers.packed_linear import Bf16LinearKernel, vnni_kernel
+    from llmopt.quant.packed_int8 import PackedInt8Linear
     from llmopt.quant.pipeline import quantize_model
     from llmopt.quant.recipe import QuantizeConfig
 
@@ -139,14 +142,21 @@ def test_w8a16_engine_decodes_through_the_kernel(tiny_llama, tmp_path, monkeypat
     quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w8a16", output=out, device="cpu"))
     fast = LLM(str(out), dtype="bfloat16")
     eager = LLM(str(out), dtype="bfloat16", enforce_eager=True)
-    mods = [m for m in fast.engine.runner.model.modules() if isinstance(m, Int8WeightOnlyLinear)]
-    assert mods and all(m.native_kernel and m.mode == "cpu-int8" for m in mods)
     eager_mods = [m for m in eager.engine.runner.model.modules() if isinstance(m, Int8WeightOnlyLinear)]
-    assert len(eager_mods) == len(mods) and not any(m.native_kernel for m in eager_mods)  # enforce_eager
-    assert use_native_int8_kernel(eager.engine.runner.model, False) == len(mods)
+    assert eager_mods and not any(m.native_kernel for m in eager_mods)  # enforce_eager
+    assert use_native_int8_kernel(eager.engine.runner.model, False) == len(eager_mods)
+    if vnni_kernel() is not None:
+        mods = [m for m in fast.engine.runner.model.modules() if isinstance(m, PackedInt8Linear)]
+        assert not any(isinstance(m, Int8WeightOnlyLinear) for m in fast.engine.runner.model.modules())
+        kernel_cls = Bf16LinearKernel
+    else:
+        mods = [m for m in fast.engine.runner.model.modules() if isinstance(m, Int8WeightOnlyLinear)]
+        assert all(m.native_kernel and m.mode == "cpu-int8" for m in mods)
+        kernel_cls = ik.Int8LinearKernel
+    assert len(mods) == len(eager_mods)
     calls = []  # counts the real kernel's calls (it still runs)
-    real = ik.Int8LinearKernel.__call__
-    monkeypatch.setattr(ik.Int8LinearKernel, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    real = kernel_cls.__call__
+    monkeypatch.setattr(kernel_cls, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
     g = torch.Generator().manual_seed(3)
     vocab = fast.engine.spec.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 70)]
