@@ -24,6 +24,7 @@
 #define NV (PANEL / 16)
 #define MT 6       // activation rows per pass over a panel: MT * NV accumulators, NV weight vectors, 1 broadcast
 #define M_CHUNK 48 // activation rows per work item: a big batch is split over rows as well as panels
+#define WIDEN_ROWS 16 // int8: past this many rows, panels are widened to bf16 once per work item
 
 int bf16_linear_available(void) {
 #ifdef __AVX512BF16__
@@ -95,6 +96,19 @@ static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int int8
     }
 }
 
+// This thread's scratch of at least n bf16 values, kept for the next call: a fresh buffer of this size would be
+// mapped per call, and its page faults cost more than the conversion it holds. NULL when out of memory.
+static uint16_t *thread_buffer(size_t n) {
+    static _Thread_local uint16_t *buf;
+    static _Thread_local size_t cap;
+    if (n > cap) {
+        uint16_t *grown = (uint16_t *)realloc(buf, n * sizeof(uint16_t));
+        if (!grown) return NULL;
+        buf = grown, cap = n;
+    }
+    return buf;
+}
+
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 32) {
@@ -107,18 +121,19 @@ static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
 #endif
 
 // `int8`: wp holds int8 weights (scale required), else bf16 (scale optional). An int8 weight is converted to
-// bf16 per pass over a panel (MT rows); past one pass per work item, each thread converts a panel once into
-// its own buffer and runs the passes in bf16 instead (the conversion bounds a pass, not the products).
+// bf16 per pass over a panel (MT rows). Past WIDEN_ROWS rows, each thread converts an int8 panel once into its
+// own buffer and runs the passes in bf16 instead (measured: slower than converting per pass up to 16 rows,
+// faster past that).
 // Returns 0; 1 where this build has no AVX512-BF16 (the caller keeps its other path); 2 when out of memory.
 int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
                 const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
-    const int widen = int8 && M > MT;
+    const int widen = int8 && M > WIDEN_ROWS;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        uint16_t *buf = widen ? (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(PANEL * K)) : NULL;
+        uint16_t *buf = widen ? thread_buffer((size_t)(PANEL * K)) : NULL;
         int64_t held = -1;  // the panel in buf
         failed = widen && !buf;
         #pragma omp for collapse(2) schedule(static)
@@ -141,7 +156,6 @@ int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int
                           bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid);
                 }
             }
-        free(buf);
     }
     return failed ? 2 : 0;
 #else

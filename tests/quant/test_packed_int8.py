@@ -26,14 +26,14 @@ def _int8(n: int, k: int, seed: int, symmetric: bool = True, bias: bool = False,
 @needs_vnni
 @pytest.mark.parametrize(("n", "k", "bias"), [(7, 48, False), (130, 576, True), (1000, 96, False)])
 def test_packed_int8_matches_the_int8_linear(n, k, bias):
-    """One pass (up to 6 rows: int8 converted per pass), several (each panel widened once per work item),
+    """Passes of up to 6 rows (int8 converted per pass), past 16 rows each panel widened once per work item,
     partial vectors and panels: within bf16 rounding of the dequantized float32 matmul, as the module
     it replaces is."""
     mod = _int8(n, k, n + k, bias=bias)
     packed = PackedInt8Linear(mod, vnni_kernel())
     w = mod.dequantize()
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 3, 6, 7, 48, 49, 100):
+    for rows in (1, 3, 6, 7, 12, 13, 17, 48, 49, 100):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         want = x.float() @ w.t() + (mod.bias.to(torch.bfloat16).float() if bias else 0)  # bf16, as both hold it
         got = packed(x)
