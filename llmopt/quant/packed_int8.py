@@ -22,6 +22,8 @@ from llmopt.quant.linear import Int8WeightOnlyLinear
 class PackedInt8Linear(nn.Module):
     """An `Int8WeightOnlyLinear` (per-channel, no zero point, bf16) with its weight in VNNI pairs."""
 
+    compute_dtype = torch.bfloat16
+
     def __init__(self, mod: Int8WeightOnlyLinear, kernel: Bf16LinearKernel):
         super().__init__()
         self.in_features, self.out_features = mod.in_features, mod.out_features

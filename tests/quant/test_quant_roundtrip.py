@@ -10,6 +10,7 @@ import torch
 from _pipeline_helpers import calib_options, quantize_tiny
 
 from llmopt import LLM, SamplingParams
+from llmopt.layers.packed_linear import vnni_kernel
 from llmopt.models.resolve import resolve_model
 from llmopt.quant.checkpoint import read_quantized_weights
 from llmopt.quant.rows import slice_rows
@@ -62,7 +63,9 @@ def test_quantize_save_load_generate(tiny_llama, tmp_path, monkeypatch, case):
         torch.testing.assert_close(mod.dequantize(), qm.qw.dequantize(), atol=0, rtol=0)
     # 3) bf16 (the default) runs the low-bit kernels on them, up to bf16 scale rounding
     llm = LLM(str(out), device="cpu", num_kv_blocks=16)
-    expected = {"w8a16": "Int8WeightOnlyLinear", "w4a16": "Int4WeightOnlyLinear", "fp8": "Fp8WeightOnlyLinear",
+    # per-channel symmetric int8 is repacked into VNNI pairs where that kernel runs; a zero point is not
+    w8 = "PackedInt8Linear" if vnni_kernel() is not None and extra.get("symmetric", True) else "Int8WeightOnlyLinear"
+    expected = {"w8a16": w8, "w4a16": "Int4WeightOnlyLinear", "fp8": "Fp8WeightOnlyLinear",
                 "w8a8": "Int8DynamicActivationLinear"}[scheme]
     for name, qm in modules.items():
         mod = llm.engine.model.get_submodule(name)
