@@ -27,6 +27,7 @@ from llmopt import LLM, SamplingParams
 from llmopt.layers import packed_linear
 from llmopt.layers.attention import paged_decode_kernel
 from llmopt.quant import Int8WeightOnlyLinear, int8_kernel
+from llmopt.quant.packed_int8 import PackedInt8Linear
 
 KERNELS = {  # name -> (module that loads it, its wrapper class)
     "paged_decode": (paged_decode_kernel, paged_decode_kernel.PagedDecodeKernel),
@@ -51,7 +52,8 @@ def use(llm: LLM, module, lib) -> None:
     for m in llm.engine.model.modules():
         if isinstance(m, Int8WeightOnlyLinear):
             m.native_kernel = m.native_kernel  # the setter forgets the resolved kernel
-        elif isinstance(m, packed_linear.PackedLinear) and m.kernel is not None and module is packed_linear:
+        elif (isinstance(m, (packed_linear.PackedLinear, PackedInt8Linear)) and m.kernel is not None
+              and module is packed_linear):
             m.kernel = lib  # each module holds the kernel it packed for
 
 

@@ -3,7 +3,7 @@ by the same kernel as the bf16 linears (`llmopt/layers/bf16_linear.c`).
 
 Why: `int8_linear.c` reads `Int8WeightOnlyLinear`'s row-major weight, where each output ends in a horizontal
 sum; in VNNI pairs no output needs one, and a panel is converted to bf16 once per pass instead of once per
-4 rows. Per call over SmolLM2's int8 linears it is 1.1-1.8x faster at 1-256 rows (docs/BENCHMARKS.md,
+4 rows. Per call over SmolLM2's int8 linears it is 1.2-1.8x faster at 1-256 rows (docs/BENCHMARKS.md,
 "int8 weights in VNNI pairs"). The packed weight is the module's only copy, as `PackedLinear`'s is;
 `state_dict()` writes the int8 weight and scales back as `Int8WeightOnlyLinear` holds them. Products
 and sums are those of the int8 kernel: exact bf16 products, float32 sums, scaled and rounded once.
