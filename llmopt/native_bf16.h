@@ -1,5 +1,5 @@
-// bf16 <-> float32 for our C kernels (llmopt/native.py puts this folder on their include path and hashes
-// this file into each build's cache key).
+// bf16 <-> float32 (and, with AVX512-BF16, int8 -> bf16) for our C kernels (llmopt/native.py puts this folder on
+// their include path and hashes this file into each build's cache key).
 #ifndef LLMOPT_NATIVE_BF16_H
 #define LLMOPT_NATIVE_BF16_H
 #include <stdint.h>
@@ -13,4 +13,17 @@ static inline uint16_t f_to_bf16(float f) {  // round to nearest even, as torch 
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);  // NaN stays NaN
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+// 32 int8 weights as 32 bf16, in order (exact: |w| <= 128). The int8 matmuls share it: converting is what
+// bounds them at a few rows.
+static inline __m512bh int8x32_to_bf16(const int8_t *p) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
 #endif

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_bf16.h"
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -54,12 +56,7 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
         __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
         if (int8) {
             const int8_t *wk = (const int8_t *)wp + k * nv * 16;
-            for (int v = 0; v < nv; v++) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(wk + v * 32));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-                w[v] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: |w| <= 128
-            }
+            for (int v = 0; v < nv; v++) w[v] = int8x32_to_bf16(wk + v * 32);
         } else {
             const uint16_t *wk = (const uint16_t *)wp + k * nv * 16;
             for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
@@ -111,12 +108,7 @@ static uint16_t *thread_buffer(size_t n) {
 
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i += 32) {
-        const __m256i b = _mm256_loadu_si256((const __m256i *)(w + i));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-        _mm512_storeu_si512((void *)(out + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512((void *)(out + i), (__m512i)int8x32_to_bf16(w + i));
 }
 #endif
 

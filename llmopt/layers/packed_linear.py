@@ -105,7 +105,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
         self.dtype = weight.dtype
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), requires_grad=False)
         ok = vnni and self.dtype == torch.bfloat16 and self.in_features % 2 == 0 and weight.device.type == "cpu"
         self.kernel = vnni_kernel() if ok else None
         if self.kernel is not None:
@@ -124,8 +124,7 @@ class PackedLinear(nn.Module):
             x = x.to(self.dtype)
         if self.kernel is not None:
             x2 = x.reshape(-1, self.in_features).contiguous()
-            bias = None if self.bias is None else self.bias.contiguous()
-            return self.kernel(x2, self.packed, bias, self.out_features).view(*x.shape[:-1], self.out_features)
+            return self.kernel(x2, self.packed, self.bias, self.out_features).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -41,12 +41,7 @@ static inline __attribute__((always_inline)) void block_dots_mb(const float *xf,
             prefetch_line(pf ? pf + k * R : NULL);
             prefetch_line(pf ? pf + k * R + 64 : NULL);
             __m512bh wv[R];
-            for (int r = 0; r < R; r++) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(ws + r * K + k));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-                wv[r] = _mm512_cvtne2ps_pbh(hi, lo);  // weights k..k+31 in order
-            }
+            for (int r = 0; r < R; r++) wv[r] = int8x32_to_bf16(ws + r * K + k);  // weights k..k+31 in order
             for (int m = 0; m < mb; m++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + m * K + k));
                 for (int r = 0; r < R; r++) a[m][r] = _mm512_dpbf16_ps(a[m][r], xv, wv[r]);
