@@ -1,21 +1,8 @@
-"""Which implementation a step runs the layers' element-wise functions (RMSNorm, RoPE, act·up) and its
-prefill attention with: eager torch, our C kernels, or TorchInductor's.
-
-Why: in eager mode those functions are ~35 small torch ops per layer, each with its own dispatch and
-dtype casts. That fixed cost dominates small steps and the passes over memory dominate big ones, and no
-single implementation wins both (docs/BENCHMARKS.md):
-- `Ops.NATIVE`, bf16 CPU steps under `MIN_TOKENS` tokens (decode): one ctypes call per function into
-  `native_ops.c`, cheaper than the eager ops it replaces;
-- `Ops.COMPILED`, bf16/fp16 CPU steps of at least `MIN_TOKENS` (prefill): each function compiled by
-  TorchInductor into one fused loop (dynamic shapes, once per process and dtype), and causal attention
-  as two bf16 matmuls around one fused mask+softmax. A compiled call costs more than the eager ops at
-  decode sizes;
-- `Ops.EAGER` otherwise, and always in fp32, so greedy fp32 output stays token-identical to
-  transformers (a fused kernel rounds differently), and with `enforce_eager`.
-
-The eager function stays the definition: the others are checked against it. When one cannot be built
-here (no C compiler, say), the failure is logged once and the eager function runs instead.
-"""
+"""Which implementation runs the element-wise functions (RMSNorm, RoPE, act·up) and prefill attention; none
+wins at every size (docs/BENCHMARKS.md). `Ops.NATIVE` (`native_ops.c`): bf16 CPU steps under `MIN_TOKENS`
+(decode); `Ops.COMPILED` (TorchInductor): bigger bf16/fp16 CPU steps; else `Ops.EAGER`, always in fp32 so
+greedy fp32 output stays token-identical to transformers. The others are tested against the eager
+function, and fall back to it when they cannot be built here."""
 
 from __future__ import annotations
 
@@ -43,8 +30,7 @@ class Ops(enum.Enum):
 
 
 def has_native(fn: Callable) -> Callable:
-    """Decorator for an eager function that `native_ops.NativeOps` replaces with a method of the same
-    name and signature; `Ops.NATIVE` runs only functions declared so."""
+    """`fn` has a `native_ops.NativeOps` method of the same name and signature, which `Ops.NATIVE` runs."""
     _native[fn] = fn.__name__
     return fn
 
@@ -75,7 +61,6 @@ def call(ops: Ops, fn: Callable, *args):
 
 
 def choose(dtype: torch.dtype, device: torch.device, num_tokens: int) -> Ops:
-    """The implementation for a step of `num_tokens` in `dtype` on `device` (see the module doc)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return Ops.EAGER
     if num_tokens >= MIN_TOKENS:

@@ -1,11 +1,6 @@
-"""The one Linear interface every projection goes through.
-
-Any `nn.Module` with `in_features`, `out_features` and `forward(x: [..., in]) -> [..., out]` can stand in
-for a projection, so quantized modules (`llmopt.quant.linear`) are plain module swaps (gpt-fast style)
-and the model code never changes. Fused projections (qkv, gate_up) are ordinary Linears whose output rows
-are the concatenation of the unfused ones; `output_splits` records the row ranges so that loaders and
-quantizers can map checkpoint tensors in and out.
-"""
+"""The one Linear interface: any module with `in_features`, `out_features` and `forward` stands in for a
+projection, so quantized modules are plain module swaps and model code never changes. A fused projection
+(qkv, gate|up) records its parts' row ranges (`output_splits`) for loaders and quantizers."""
 
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
 """A sparse Mixture-of-Experts MLP block (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert).
 
-Routing follows the Hugging Face reference: router logits in the model dtype, softmax in float32,
-top-k, then (if `norm_topk_prob`) the k weights renormalized to sum to one. Tokens are grouped by
-expert with one argsort of the flat (token, k) choices, so each expert runs one batched matmul over
-exactly the tokens routed to it and experts with no tokens are skipped (no Python loop over tokens).
-
-Every expert is an ordinary gate|up + down MLP of swappable Linears (see `llmopt.layers.linear`), so
-quantized modules drop in per expert. While all experts are plain float Linears (no quantized module, no
-calibration hook), their weights are packed once into two stacked [experts, out, in] tensors that the
-expert Linears then view (no second copy), and the grouped tokens go through `grouped_mm`: two kernels
-for all experts instead of ~8 small ops per expert, which is what decode batches pay for. Anything else
-(a quantized expert, hooks, `calibrate_all`, a device without grouped_mm) takes the per-expert loop. The router (`gate`) and the shared-expert gate are plain
-nn.Linear too, but quantization leaves them in float by default (they are tiny and routing is
-sensitive to them).
-
-`calibrate_all` (a set of expert ids, empty in serving) makes those experts also see every token of
-the batch, while the block output still uses only the routed tokens: calibration hooks then collect
-statistics for experts that the calibration set rarely routes to (llm-compressor's "calibrate all
-experts"), without changing what the next layer receives.
+Routing follows the Hugging Face reference. While every expert is a plain float Linear pair, their weights
+live in two stacked [experts, out, in] tensors (which the Linears view) and run as two `grouped_mm` calls;
+otherwise (quantized experts, hooks) one matmul per expert over its routed tokens. `calibrate_all` experts
+(empty in serving) also see every token, for calibration statistics, without changing the block output.
 """
 
 from __future__ import annotations
@@ -76,17 +62,13 @@ class SparseMoeBlock(nn.Module):
         return weights.to(x.dtype), experts
 
     def _still_packed(self) -> bool:
-        """Cheap per-step check that the packed views are still what every expert runs: same modules,
-        same weight tensors at the same addresses, and no hooks (calibration captures per expert)."""
+        """Cheap per-step check that every expert still runs the packed views, with no hooks on it."""
         for e, gu, dn, pgu, pdn, ptrs in self._pack_state:
             mods = e._modules
-            if mods["gate_up_proj"] is not gu or mods["down_proj"] is not dn:
-                return False
-            if gu._forward_pre_hooks or dn._forward_pre_hooks or gu._forward_hooks or dn._forward_hooks:
-                return False
-            if gu._parameters["weight"] is not pgu or dn._parameters["weight"] is not pdn:
-                return False
-            if (pgu.data_ptr(), pdn.data_ptr()) != ptrs:
+            if (mods["gate_up_proj"] is not gu or mods["down_proj"] is not dn or gu._forward_pre_hooks
+                    or dn._forward_pre_hooks or gu._forward_hooks or dn._forward_hooks
+                    or gu._parameters["weight"] is not pgu or dn._parameters["weight"] is not pdn
+                    or (pgu.data_ptr(), pdn.data_ptr()) != ptrs):
                 return False
         return True
 
@@ -106,18 +88,16 @@ class SparseMoeBlock(nn.Module):
             gate_up = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])
             down = torch.stack([e.down_proj.weight.detach() for e in self.experts])
         state = []
-        for i, e in enumerate(self.experts):  # the Linears view the stacks: one copy of the weights
-            e.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
-            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
-            pgu, pdn = e.gate_up_proj.weight, e.down_proj.weight
+        for e, gu, dn in zip(self.experts, gate_up, down, strict=True):  # the Linears view the stacks
+            pgu = e.gate_up_proj.weight = nn.Parameter(gu, requires_grad=False)
+            pdn = e.down_proj.weight = nn.Parameter(dn, requires_grad=False)
             state.append((e, e.gate_up_proj, e.down_proj, pgu, pdn, (pgu.data_ptr(), pdn.data_ptr())))
         self._pack_state = tuple(state)
         self._stacked = (gate_up, down)
         return self._stacked
 
     def _grouped(self, x, slot_weights, order, counts) -> torch.Tensor | None:
-        """All experts in two grouped matmuls over the stacked weights; None where that path cannot run
-        here (see the module doc), and for good once grouped_mm has refused this device or dtype."""
+        """All experts in two grouped matmuls; None where they cannot run (for good once refused here)."""
         stacked = self._grouped_weights()
         if stacked is None:
             return None
@@ -154,8 +134,7 @@ class SparseMoeBlock(nn.Module):
         weights, experts = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.last_counts = counts
+        self.last_counts = counts = torch.bincount(flat, minlength=self.num_experts)
         slot_weights = weights.reshape(-1)
         out = self._grouped(x, slot_weights, order, counts)
         if out is None:

@@ -1,15 +1,7 @@
-"""The layers' element-wise functions as C kernels (`native_ops.c`) for small bf16 CPU steps: decode.
-
-Why: at decode sizes a layer's RMSNorms, RoPE and SiLU·up are ~35 eager torch ops per layer, each a few
-microseconds of dispatch over a few hundred numbers; on SmolLM2 that was a fifth of a W8A16 token. One
-ctypes call per function replaces them (docs/BENCHMARKS.md, "Native element-wise ops"). TorchInductor's
-versions (`llmopt.layers.kernels`) cost more per call than they save at these sizes.
-
-Each method has the name and signature of the eager function it replaces (`rms_norm`,
-`add_rms_norm`, ...), which declares it with `@kernels.has_native`, and returns None for input it does not take
-(not bf16, not on a CPU, not laid out as it expects): the eager function runs then. The eager function
-stays the definition; the tests compare the two.
-"""
+"""The layers' element-wise functions in C (`native_ops.c`) for bf16 CPU decode steps, where one ctypes
+call costs less than the eager ops it replaces. Each method has the name and signature of the eager
+function it replaces (`@kernels.has_native`) and returns None for input it does not take (not bf16 rows
+on a CPU), so the eager function runs."""
 
 from __future__ import annotations
 
@@ -41,7 +33,6 @@ class NativeOps:
             fn.restype = None
         self._lib, self.path = lib, path
 
-    # ---- norm.py ----------------------------------------------------------------------------
     def _norm(self, x, residual, weight, eps, offset):
         if not (_bf16_cpu(x, 2) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
                 and weight.shape == x.shape[-1:]):
@@ -69,7 +60,6 @@ class NativeOps:
     def add_offset_rms_norm(self, x, residual, weight, eps):
         return self._norm(x, residual, weight, eps, 1)
 
-    # ---- rotary.py --------------------------------------------------------------------------
     def apply_rotary(self, x, cos, sin):
         """x [T, H, D] with contiguous heads (a view of the fused qkv output is fine); cos, sin [T, 1, D]."""
         if not (_bf16_cpu(x, 3) and x.stride(1) == x.shape[2] and cos.dtype == sin.dtype == torch.float32
@@ -81,7 +71,6 @@ class NativeOps:
                               torch.get_num_threads())
         return out
 
-    # ---- activation.py ----------------------------------------------------------------------
     def _gated(self, x, intermediate_size, gelu):
         if not (_bf16_cpu(x, 2) and x.is_contiguous() and x.shape[1] == 2 * intermediate_size):
             return None

@@ -1,7 +1,5 @@
-"""RMSNorm, computed in float32 like transformers does, so fp32 outputs match token for token.
-
-`OffsetRMSNorm` is Gemma's variant: the checkpoint stores w and the scale is (1 + w), applied in
-float32 before the cast back (Llama casts first, then multiplies)."""
+"""RMSNorm in float32 like transformers, so fp32 outputs match token for token. Gemma's `OffsetRMSNorm`
+scales by (1 + w) in float32 before the cast back (Llama casts first, then multiplies)."""
 
 from __future__ import annotations
 
@@ -14,10 +12,9 @@ from llmopt.layers.kernels import Ops
 
 @kernels.has_native
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * h.to(x.dtype)
 
 
 @kernels.has_native
@@ -29,19 +26,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    weight_offset = 0.0  # the effective scale is weight + weight_offset
+    weight_offset = 0.0  # the effective scale is weight + weight_offset (scale folding reads it)
+    norm_fn, add_norm_fn = staticmethod(rms_norm), staticmethod(add_rms_norm)
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - self.weight_offset, dtype=dtype, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: Ops = Ops.EAGER):
-        """With `residual`, returns (norm(x + residual), x + residual). `ops`: which implementation
-        runs (`llmopt.layers.kernels`)."""
+        """With `residual`, returns (norm(x + residual), x + residual); `ops`: see `llmopt.layers.kernels`."""
         if residual is None:
-            return kernels.call(ops, rms_norm, x, self.weight, self.eps)
-        return kernels.call(ops, add_rms_norm, x, residual, self.weight, self.eps)
+            return kernels.call(ops, self.norm_fn, x, self.weight, self.eps)
+        return kernels.call(ops, self.add_norm_fn, x, residual, self.weight, self.eps)
 
 
 @kernels.has_native
@@ -59,17 +56,7 @@ def add_offset_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 class OffsetRMSNorm(RMSNorm):
-    """RMSNorm scaled by (1 + weight) (Gemma). `weight_offset` tells scale folding (AWQ, SmoothQuant)
-    that the effective scale is weight + 1."""
+    """RMSNorm scaled by (1 + weight) (Gemma)."""
 
     weight_offset = 1.0
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None):
-        super().__init__(hidden_size, eps, dtype, device)
-        with torch.no_grad():
-            self.weight.zero_()
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: Ops = Ops.EAGER):
-        if residual is None:
-            return kernels.call(ops, offset_rms_norm, x, self.weight, self.eps)
-        return kernels.call(ops, add_offset_rms_norm, x, residual, self.weight, self.eps)
+    norm_fn, add_norm_fn = staticmethod(offset_rms_norm), staticmethod(add_offset_rms_norm)

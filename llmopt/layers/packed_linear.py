@@ -1,18 +1,7 @@
-"""Dense bf16/fp16 projections with their weight packed once for a faster matmul, for engines on a CPU.
-
-Why: decode reads every weight per token, so the matmul's speed at a few rows of activations is the
-decode speed, and torch's CPU `F.linear` is far from memory speed there. Two packings, one per module:
-- bf16 where the CPU has AVX512-BF16: our kernel (`bf16_linear.c`) over the weight in VNNI pairs
-  (`pack_vnni`). It streams the weight at memory speed at one row and stays ahead of oneDNN at every
-  batch size measured (docs/BENCHMARKS.md, "bf16 matmul over VNNI pairs");
-- otherwise (fp16, older CPUs, no C compiler): oneDNN's blocked layout, which streams at about 1.5x the
-  speed of `F.linear`'s plain weight at decode sizes. vLLM's CPU backend packs its linears this way.
-
-Both sum products in float32 and round once: outputs equal `F.linear`'s up to the order of the float32
-sums (bf16: bitwise on the decode sizes tested). fp32 is never packed, so greedy fp32 output stays
-token-identical to transformers. A tied lm_head gets a packed copy and the embedding keeps the plain
-weight for its lookups, as vLLM does (one more vocab x hidden matrix in memory).
-"""
+"""Dense bf16/fp16 CPU projections with the weight packed once (decode reads every weight per token, and
+CPU `F.linear` is far from memory speed at a few rows): our kernel (`bf16_linear.c`) over VNNI pairs for
+bf16 with AVX512-BF16, else oneDNN's blocked layout. Both sum in float32 and round once; fp32 is never
+packed, so greedy fp32 output stays token-identical to transformers."""
 
 from __future__ import annotations
 
@@ -96,9 +85,8 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight packed for our bf16 kernel (VNNI pairs) or oneDNN (its blocked layout).
-    The packed weight is the module's only copy: `weight` unpacks it (slow, for inspection) and
-    `state_dict()` writes it unpacked. `vnni=False` keeps oneDNN's layout (the A/B in benchmarks)."""
+    """`nn.Linear` whose only weight copy is packed: `weight` unpacks it (slow, for inspection), as does
+    `state_dict()`. `vnni=False` keeps oneDNN's layout (the A/B in benchmarks)."""
 
     def __init__(self, linear: nn.Linear, vnni: bool = True):
         super().__init__()
@@ -137,9 +125,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every plain dense Linear of `model` (bf16/fp16, on a CPU) for a PackedLinear; returns how
-    many. Quantized modules keep their own kernels, MoE experts keep theirs (the grouped path stacks
-    the plain weights), and so does a linear with hooks on it."""
+    """Swap every plain dense bf16/fp16 CPU Linear of `model` for a PackedLinear; returns how many. Quantized
+    modules, linears with hooks and MoE experts (the grouped path stacks their plain weights) are kept."""
     experts = [name for name, mod in model.named_modules() if isinstance(mod, SparseMoeBlock)]
     swaps = [(name, mod) for name, mod in model.named_modules()
              if type(mod) in (nn.Linear, FusedLinear) and not mod._forward_hooks and not mod._forward_pre_hooks

@@ -40,8 +40,7 @@ class RotaryEmbedding(nn.Module):
                  device=None):
         super().__init__()
         inv = _inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
@@ -61,9 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class OnTheFlyRotary(nn.Module):
-    """cos/sin computed per step from the positions (positions x inv_freq, as transformers does) instead
-    of a table: for long-context models with several RoPE bases (Gemma 3: 32k-128k positions, head_dim
-    256, two bases), a table per base would cost hundreds of MiB."""
+    """cos/sin computed per step from the positions (as transformers does) instead of a table: for long
+    contexts with several RoPE bases (Gemma 3), a table per base would cost hundreds of MiB."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, device=None):
         super().__init__()

@@ -1,20 +1,6 @@
-"""Attention over the paged KV cache, behind a small backend interface.
-
-- `backend.py`: `AttentionBackend`, what a backend owns: its KV layout, building its metadata from the
-  scheduled batch, the prefill/decode forward, the choice of compiled kernels.
-- `registry.py`: the backends by name, and `get_backend`, which the engine builder picks one with.
-- `head_major.py` (+ `head_major_metadata.py`): the first backend, for CPU (and any device): a
-  head-major pool, decode groups of similar context length, SDPA or a compiled causal kernel for
-  prefill chunks.
-- `paged_kv_cache.py`: that pool; `grouped_kv_cache.py`: one pool per KV group, for models that mix
-  full and sliding-window layers (the sliding layers' pool is sized for the window).
-- `layer.py`: `PagedAttention`, the module models hold: one layer's heads, window and scale; it hands
-  the work to the backend that built the step's metadata.
-
-A second backend (an SDPA/FlashAttention-style CUDA one, say) is one file: subclass `AttentionBackend`,
-register it in `registry.BACKENDS`, and run `tests/layers/test_paged_attention_reference.py`, which
-checks every registered backend against dense SDPA.
-"""
+"""Attention over the paged KV cache behind a small backend interface (the files: docs/ARCHITECTURE.md).
+A new backend is one file: subclass `AttentionBackend` and register it in `registry.BACKENDS`;
+`tests/layers/test_paged_attention_reference.py` checks every registered one against dense SDPA."""
 
 from llmopt.layers.attention.backend import AttentionBackend, AttentionMetadata
 from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache

@@ -1,11 +1,6 @@
-"""AttentionBackend: what the model runner and the models need from an attention implementation.
-
-The runner schedules positions of sequences over block tables; how K/V are laid out in memory, what
-per-step metadata the kernels want, and which kernels run are the backend's business. So a backend
-makes its own KV pool, turns the scheduled batch into its own metadata once per step (shared by every
-layer), and runs each layer's attention over it. Models only see `AttentionMetadata.ops` (which implementation
-of the element-wise functions this step runs, `llmopt.layers.kernels`) and pass the metadata through.
-"""
+"""AttentionBackend: the runner schedules positions over block tables; the KV layout, the per-step metadata
+(built once, shared by every layer) and the kernels are the backend's business. Models only read
+`AttentionMetadata.ops` and pass the metadata through."""
 
 from __future__ import annotations
 
@@ -60,8 +55,7 @@ class AttentionBackend(ABC):
     def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
                            windows: list[int | None] | None = None):
-        """One pool per KV group (`layer_groups[g]` are its layers, sliding over `windows[g]`), for
-        models that mix full and sliding layers; a pool has `num_blocks[g]` blocks."""
+        """A pool per KV group g: `num_blocks[g]` blocks for `layer_groups[g]`, sliding over `windows[g]`."""
 
     @abstractmethod
     def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -70,8 +64,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, cache, prefills: list[PrefillItem], decodes: list[DecodeItem]) -> AttentionMetadata:
-        """One step's metadata. Tokens are laid out as the runner feeds them: the prefill chunks in order,
-        then the decodes in order."""
+        """One step's metadata, tokens laid out as the runner feeds them: prefill chunks, then decodes."""
 
     @abstractmethod
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,

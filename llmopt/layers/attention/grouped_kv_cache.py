@@ -1,10 +1,5 @@
-"""GroupedKVCache: one PagedKVCache per KV group, for models that mix full and sliding-window layers.
-
-Each group's pool holds only its own layers and has its own number of blocks: the sliding layers' pool
-is sized for the window, not the context (engine/hybrid_block_manager.py hands out its blocks). Layers
-find their pool with `locate`; each sequence has one block table per group, and the attention metadata
-one slot mapping and block table per group.
-"""
+"""GroupedKVCache: one PagedKVCache per KV group, for models that mix full and sliding-window layers, so
+the sliding layers' pool is sized for the window, not the context."""
 
 from __future__ import annotations
 
@@ -16,15 +11,11 @@ from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 class GroupedKVCache:
     def __init__(self, pools: list[PagedKVCache], layer_groups: list[list[int]],
                  windows: list[int | None] | None = None):
-        """`layer_groups[g]`: the model layers whose K/V live in `pools[g]`, in pool order; `windows[g]`:
-        the window they slide over (None: full attention)."""
+        """`layer_groups[g]`: the layers in `pools[g]`, in order; `windows[g]`: their window (None: full)."""
         self.windows = windows or [None] * len(pools)
-        self.pools = pools
-        self.layer_groups = layer_groups
+        self.pools, self.layer_groups, self.num_groups = pools, layer_groups, len(pools)
         self._where = {layer: (g, i) for g, layers in enumerate(layer_groups) for i, layer in enumerate(layers)}
-        self.num_groups = len(pools)
-        self.quantized = pools[0].quantized
-        self.dtype = pools[0].dtype
+        self.quantized, self.dtype = pools[0].quantized, pools[0].dtype
 
     def locate(self, layer: int) -> tuple[int, PagedKVCache, int]:
         g, i = self._where[layer]

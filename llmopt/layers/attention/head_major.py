@@ -1,16 +1,9 @@
-"""The head-major paged attention backend: the CPU path (it runs on any device).
+"""The head-major backend over `PagedKVCache` ([heads, slots, head_dim] per layer): the CPU path, any device.
 
-Its pool is `PagedKVCache`, laid out [heads, slots, head_dim] per layer. Tokens of one step arrive
-flattened: first the prefill chunks (one sequence each, several query tokens), then the decode tokens
-(one query token each). Decodes run in groups of similar context length: in bf16 on a CPU, the paged
-decode kernel (`paged_decode_kernel.py`) reads each group's blocks where they lie; otherwise each group
-is one block gather and one SDPA call. Each prefill chunk runs its own SDPA with a causal mask offset by
-its cached prefix (on big bf16 CPU steps, `causal_attention` compiled instead). A sliding-window layer
-gathers its KV group's whole block table and its mask hides what fell out of the window: the block
-manager has given those blocks back (their table entries point at a placeholder block: read, masked;
-the kernel skips them). Every item comes with one block table per KV group (`GroupedKVCache`); each
-layer reads its group's.
-"""
+A step's tokens are its prefill chunks, then its decodes. A prefill chunk runs SDPA with a causal mask offset
+by its cached prefix (or the compiled `causal_attention`); decodes run in groups of similar context length
+(bf16 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
+entries for blocks that left the window point at a placeholder block (read, masked; the kernel skips them)."""
 
 from __future__ import annotations
 
@@ -28,19 +21,15 @@ from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 from llmopt.layers.kernels import Ops
 
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
-# `causal_attention` holds the whole score matrix (SDPA streams it): past this many query x context
-# positions per chunk (16 MiB of bf16 scores per query head), chunks use SDPA even on compiled steps
+# past this many query x context positions a chunk uses SDPA, which streams what `causal_attention` holds
 COMPILED_ATTENTION_MAX_SCORES = 2048 * 4096
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
                      window: int = 0) -> torch.Tensor:
     """q [L, H, D] at positions offset..offset+L-1; k, v [Hkv, C, D] at positions 0..C-1. Returns [L, H*D].
-    `window` > 0: each query sees only the last `window` positions (itself included).
-
-    The query heads that share a KV head are stacked into one matrix, so this is two plain matmuls around a
-    masked softmax: compiled (`llmopt.layers.kernels`), 2.2x faster than CPU SDPA in bf16 at 512 tokens.
-    """
+    `window` > 0: each query sees only the last `window` positions (itself included). Query heads sharing a
+    KV head are stacked into one matrix: two matmuls around a masked softmax, which TorchInductor fuses."""
     length, h, d = q.shape
     hkv = k.shape[0]
     qg = q.transpose(0, 1).reshape(hkv, (h // hkv) * length, d)  # rows: (head in group, position)
@@ -82,7 +71,6 @@ class HeadMajorBackend(AttentionBackend):
     def bytes_per_block(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto") -> int:
         return PagedKVCache.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
 
-    # ---- metadata -----------------------------------------------------------
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -91,15 +79,11 @@ class HeadMajorBackend(AttentionBackend):
         """Each item carries one block table per KV group (`cache.num_groups` of them are read)."""
         n_groups = cache.num_groups
         slots: list[list[int]] = [[] for _ in range(n_groups)]
-        chunks = []
-        for tables, start, end in prefills:
+        for tables, start, end in [*prefills, *((t, pos, pos + 1) for t, pos in decodes)]:
             for g in range(n_groups):
                 slots[g].extend(self._slots(tables[g], start, end))
-            chunks.append(self._prefill_chunk(tables[:n_groups], start, end, cache.quantized))
-        num_prefill = len(slots[0])
-        for tables, pos in decodes:
-            for g in range(n_groups):
-                slots[g].extend(self._slots(tables[g], pos, pos + 1))
+        chunks = [self._prefill_chunk(t[:n_groups], s, e, cache.quantized) for t, s, e in prefills]
+        num_prefill = sum(e - s for _, s, e in prefills)
         mappings = [torch.tensor(s, dtype=torch.long, device=self.device) for s in slots]
         meta = HeadMajorMetadata(self, mappings[0], num_prefill, self.choose_ops(cache.dtype, num_prefill + len(decodes)),
                                  slot_mappings=mappings, prefills=chunks)
@@ -109,9 +93,8 @@ class HeadMajorBackend(AttentionBackend):
         return meta
 
     def _prefill_chunk(self, tables: list[list[int]], start: int, end: int, quantized: bool) -> PrefillChunk:
-        """Tokens start..end-1 of one sequence as a chunk: a whole context (start 0) attends to its own
-        K/V and needs no gather (unless the cache is int8); a later chunk reads the cached context
-        through its slots (per KV group) with a causal mask offset by `start`."""
+        """Tokens start..end-1 of one sequence. A whole context (start 0) attends to its own K/V (no gather
+        unless int8); a later chunk reads the cached context by slot, its causal mask offset by `start`."""
         dev = self.device
         if start == 0 and not quantized:
             return PrefillChunk(end, end, [], None)
@@ -124,9 +107,8 @@ class HeadMajorBackend(AttentionBackend):
 
     def decode_groups(self, tables: list[list[list[int]]], ctx_lens: list[int],
                       windows: list[int | None] | None = None) -> list[DecodeGroup]:
-        """Split decodes into groups whose shortest context is at least half their longest, so each
-        group's K/V gather pads little; tiny groups join the previous one (a group costs a few kernel
-        launches per layer). The runner sorts decodes by decreasing context, so groups are long runs."""
+        """Groups of decodes (sorted by decreasing context) whose shortest context is at least half their
+        longest, so a gather pads little; tiny groups join the previous one, as each costs a few launches."""
         bounds = [0]
         for i in range(1, len(ctx_lens)):
             if 2 * ctx_lens[i] < ctx_lens[bounds[-1]] and i - bounds[-1] >= MIN_DECODE_GROUP:
@@ -153,7 +135,6 @@ class HeadMajorBackend(AttentionBackend):
         return DecodeGroup(len(tables), per_group,
                            (p.unsqueeze(0) < lens.unsqueeze(1)).view(1, len(tables), 1, max_blocks * bs), starts, lens)
 
-    # ---- forward ------------------------------------------------------------
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
                 meta: HeadMajorMetadata) -> torch.Tensor:
         """`cache`: a PagedKVCache or GroupedKVCache; the layer's KV group picks its pool and slots."""
@@ -176,36 +157,32 @@ class HeadMajorBackend(AttentionBackend):
             start = end
         kernel = self.decode_kernel(q, pool, layer) if meta.decode_groups else None
         for i, group in enumerate(meta.decode_groups):
+            qg = q[start:start + group.size]
+            start += group.size
             if kernel is not None:
-                outs.append(kernel(q[start:start + group.size], pool.k[idx], pool.v[idx], group.blocks[g], group.lens,
-                                   group.starts[g], self.block_size, layer.window or 0, layer.scale))
-                start += group.size
+                outs.append(kernel(qg, pool.k[idx], pool.v[idx], group.blocks[g], group.lens, group.starts[g],
+                                   self.block_size, layer.window or 0, layer.scale))
                 continue
             mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
             if group.starts[g]:  # a sliding group gathers from the first block still in a window
                 mask = mask[..., group.starts[g] * self.block_size:]
-            outs.append(_decode(layer, q[start:start + group.size], pool, idx, group.blocks[g], mask))
-            start += group.size
+            outs.append(_decode(layer, qg, pool, idx, group.blocks[g], mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def _prefill_sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
-    """q [q_len, H, D]; k, v [Hkv, ctx, D]; mask [q_len, ctx] (None: the chunk is the whole context,
-    plain causal). Returns [q_len, H*D]."""
+    """q [q_len, H, D]; k, v [Hkv, ctx, D]; mask [q_len, ctx] or None (plain causal) -> [q_len, H*D]."""
     qc, kc, vc = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # [1, heads, len, D]
-    if mask is None:
-        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=layer.scale, enable_gqa=layer.gqa)
-    else:
-        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa)
+    o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+                                       enable_gqa=layer.gqa)
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def _decode(layer: PagedAttention, q: torch.Tensor, pool: PagedKVCache, idx: int, blocks: torch.Tensor,
             mask: torch.Tensor) -> torch.Tensor:
-    """One query token per sequence, over K/V gathered block-wise in [Hkv, B, C, D]: one SDPA call that
-    treats each KV head as a batch, each sequence as a head and the query heads sharing that KV head as
-    the query rows, so K/V are read where they lie (no repeat for GQA, no transposed copy)."""
+    """One query token per sequence over K/V gathered as [Hkv, B, C, D]: one SDPA call with KV heads as the
+    batch, sequences as heads and their query heads as rows, so GQA needs no repeat and no transposed copy."""
     b = q.shape[0]
     hkv, g, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
     k, v = pool.read_blocks(idx, blocks)  # [Hkv, B, C, D]

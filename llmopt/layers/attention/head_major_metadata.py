@@ -1,10 +1,6 @@
-"""The head-major backend's per-step metadata: prefill chunks, decode groups, sliding-window masks.
-
-Built once per step by `HeadMajorBackend.build_metadata` and shared by every layer. Sliding-window
-layers (Mistral, or the "sliding_attention" entries of a config's `layer_types`) let each query see
-only the last `window` positions, itself included (transformers' `kv > q - window`); their masks are
-derived from the step's causal ones on first use, once per step and window, and cached here.
-"""
+"""The head-major backend's per-step metadata: prefill chunks, decode groups, and sliding-window masks (a
+query sees the last `window` positions, itself included: transformers' `kv > q - window`), derived from
+the causal ones on first use and cached for the step."""
 
 from __future__ import annotations
 

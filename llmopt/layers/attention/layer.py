@@ -1,8 +1,5 @@
-"""PagedAttention: the attention module a model holds, one per layer.
-
-It knows its layer's shape (heads, KV heads, head size), its sliding window and softmax scale; the
-backend that built the step's metadata does the work, so a model never depends on a backend.
-"""
+"""PagedAttention: the attention module a model holds, one per layer. The backend that built the step's
+metadata does the work, so a model never depends on a backend."""
 
 from __future__ import annotations
 

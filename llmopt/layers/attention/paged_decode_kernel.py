@@ -1,17 +1,6 @@
-"""The bf16 paged decode-attention kernel (`paged_decode.c`): built on first use with the system C
-compiler, cached, and called through ctypes.
-
-Why: SDPA wants each sequence's K/V contiguous, so every decode step copied all of its sequences'
-blocks out of the pool, per layer, before an SDPA call that runs far below memory speed with one query
-row per head. At batch 32 and 400 tokens of context that gather and SDPA were half of a bf16 decode
-step. The kernel reads the blocks where they lie, one pass over K and one over V: per layer 1.5-2.4x
-faster than gather + SDPA at one thread, 2.2-3.9x at two (docs/BENCHMARKS.md, "Paged decode kernel").
-With AVX512-BF16 its head sizes 64/128/256 run vectorized, 2-4x faster again ("Where a mixed-workload
-step goes now, and vectorized decode attention").
-
-It is built on first use by `llmopt.native` (the system C compiler, cached per source, compiler and
-CPU); when it cannot be built, `load()` logs why once and returns None, and attention stays on SDPA.
-"""
+"""The bf16 paged decode-attention kernel (`paged_decode.c`), built by `llmopt.native` and called through
+ctypes. It reads K/V blocks where they lie instead of gathering them for SDPA (docs/BENCHMARKS.md,
+"Paged decode kernel"); when it cannot be built, `load()` returns None and attention stays on SDPA."""
 
 from __future__ import annotations
 

@@ -14,10 +14,8 @@ BACKENDS: dict[str, type[AttentionBackend]] = {HeadMajorBackend.name: HeadMajorB
 def get_backend(device: torch.device, block_size: int, allow_compiled: bool = True,
                 name: str | None = None) -> AttentionBackend:
     """The named backend, or the first registered one that runs on `device`."""
-    if name is not None:
-        if name not in BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
-        return BACKENDS[name](block_size, device, allow_compiled)
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
     dev = torch.device(device)
-    cls = next(c for c in BACKENDS.values() if c.supports(dev))
+    cls = BACKENDS[name] if name is not None else next(c for c in BACKENDS.values() if c.supports(dev))
     return cls(block_size, dev, allow_compiled)
