@@ -64,7 +64,7 @@ def quantize_embedding(llm: LLM, bits: int, group: int) -> None:
 def sizes() -> dict[str, int]:
     """Weight bytes per storage choice (int4: 0.5 B/param + a bf16 scale per 128; int8 per row)."""
     s = resolve_model(MODEL).spec
-    emb, lin = s.embedding_params(), s.num_layers * s.layer_linear_params()
+    emb, lin = s.vocab_size * s.hidden_size, s.num_layers * s.layer_linear_params()
     rest = s.num_params() - emb - lin  # norms
     rows = s.num_layers * sum(o for o, _ in s.linear_shapes().values())
     int8_lin, int4_lin = lin + 2 * rows, lin // 2 + 2 * (lin // 128)

@@ -1,10 +1,7 @@
-"""`CausalLM`: what every model implementation provides, and what the rest of llmopt may rely on.
-
-Engine, calibration and quantization code is typed against this class, never a concrete model. A model
-class declares in one place how its checkpoint names map onto its modules (`packed_modules_mapping`,
-nano-vllm style: which HF projections are row shards of one of our fused linears) and which linears
-quantization may swap (`quantizable_linears`); the loader, the quantized-checkpoint reader and the
-exporters all go through `hf_to_ours` / `hf_parts` below.
+"""`CausalLM`: what every model implementation provides; engine, calibration and quantization code is
+typed against it, never a concrete model. A model class declares its checkpoint-name mapping
+(`packed_modules_mapping`, nano-vllm style) and what quantization may swap; the loader, the
+quantized-checkpoint reader and the exporters all go through `hf_to_ours` / `hf_parts`.
 """
 
 from __future__ import annotations
@@ -29,11 +26,8 @@ FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "
 
 
 class CausalLM(nn.Module):
-    """A decoder-only LM over a flat token batch and the paged KV cache.
-
-    Attributes every implementation has: `spec`, `embed_tokens`, `rotary` (a non-persistent RoPE table,
-    rebuilt after meta-device construction), `layers` (each called as
-    `layer(rope, hidden, residual, cache, meta) -> (hidden, residual)`), `norm` and `lm_head`."""
+    """A decoder-only LM over a flat token batch and the paged KV cache. Each of `layers` is called as
+    `layer(rope, hidden, residual, cache, meta) -> (hidden, residual)`."""
 
     # HF module path inside a decoder layer -> (our fused module, shard name in its output_splits)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
@@ -55,9 +49,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta,
                 num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]. `num_layers` runs only the
-        first layers (an early-exit self-draft for speculative decoding). A family changes what happens
-        inside (`embed`, `build_rotary`, its decoder layers), not this loop."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. `num_layers`: only the first layers
+        (the layer_skip self-draft). Families change `embed`, `build_rotary` and their layers, not this."""
         hidden = self.embed(input_ids)
         rope = self.rotary(positions)
         residual = None
@@ -74,27 +67,22 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def build_rotary(self, device) -> nn.Module:
-        """The RoPE module (buffers only, never in a checkpoint): built again on the real device after
-        meta-device construction. One table of every position's cos/sin for all layers by default."""
+        """The RoPE module (buffers only, rebuilt on the real device after meta construction): by default
+        one cos/sin table for all layers."""
         from llmopt.layers.rotary import RotaryEmbedding
 
         s = self.spec
         return RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling, device=device)
 
-    # ---- checkpoint names <-> ours ----------------------------------------
     @classmethod
     def hf_to_ours(cls, name: str) -> tuple[str, str | None]:
         """A checkpoint tensor name -> (our parameter name, fused shard or None)."""
         m = _LAYER_RE.match(name)
-        if m:
-            idx, mod, kind = m.groups()
-            if mod in cls.packed_modules_mapping:
-                ours, shard = cls.packed_modules_mapping[mod]
-                return f"layers.{idx}.{ours}.{kind}", shard
-            return f"layers.{idx}.{mod}.{kind}", None
-        if name.startswith("model."):
-            return name[len("model."):], None
-        return name, None
+        if not m:
+            return name.removeprefix("model."), None
+        idx, mod, kind = m.groups()
+        ours, shard = cls.packed_modules_mapping.get(mod, (mod, None))
+        return f"layers.{idx}.{ours}.{kind}", shard
 
     @classmethod
     def hf_module_name(cls, ours: str) -> str:

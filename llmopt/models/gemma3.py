@@ -1,17 +1,6 @@
-"""Gemma 3 (text): `Gemma3ForCausalLM`, model_type gemma3_text, registered in `llmopt.models.registry`.
-
-Where it differs from the llama family, all from `ModelSpec` data:
-* (1 + w) RMSNorm everywhere (`OffsetRMSNorm`), and four norms per layer: input and post-attention
-  around attention, pre- and post-feedforward around the MLP (the post norms act on the branch output,
-  before the residual add);
-* q/k norm per head, attention scale `query_pre_attn_scalar**-0.5`;
-* GELU-tanh GeGLU MLP;
-* the embedding is multiplied by sqrt(hidden), rounded to the weight dtype as transformers does;
-* sliding-window attention on the `layer_types` "sliding_attention" layers, which also use their own
-  RoPE base (`rope_local_theta`); full layers use `rope_theta` (+ linear scaling, Gemma-3-27B);
-* optional final-logit soft-capping (Gemma 3 sets none; attention soft-capping is rejected in the spec).
-
-Projections are fused (qkv, gate_up) like llama's, so the quantization and checkpoint code is shared.
+"""Gemma 3 (text, `Gemma3ForCausalLM`): llama's attention and MLP with (1 + w) norms, four norms per
+layer (the post norms act on the branch output), per-head q/k norms, GeGLU, an embedding scaled by
+sqrt(hidden), sliding layers with their own RoPE base, and optional final-logit soft-capping.
 """
 
 from __future__ import annotations
@@ -22,8 +11,7 @@ from torch import nn
 from llmopt.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from llmopt.layers.norm import OffsetRMSNorm
 from llmopt.layers.rotary import OnTheFlyRotary
-from llmopt.models.base import FUSED_LINEARS, FUSED_QKV_GATE_UP, CausalLM
-from llmopt.models.llama import LlamaAttention, LlamaMLP, input_norm
+from llmopt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, input_norm
 from llmopt.models.spec import ModelSpec
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh_and_mul, "silu": silu_and_mul}
@@ -45,8 +33,7 @@ class Gemma3Rotary(nn.Module):
 
 
 class Gemma3Attention(LlamaAttention):
-    """Llama's attention with (1 + w) q/k norms (the spec always sets qk_norm for Gemma 3) and the
-    spec's query_pre_attn_scalar scale."""
+    """Llama's attention with (1 + w) q/k norms (the scale is the spec's query_pre_attn_scalar**-0.5)."""
 
     norm_class = OffsetRMSNorm
 
@@ -75,9 +62,9 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden, residual
 
 
-class Gemma3ForCausalLM(CausalLM):
-    packed_modules_mapping = FUSED_QKV_GATE_UP
-    quantizable_linears = FUSED_LINEARS
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Gemma3DecoderLayer
+    norm_class = OffsetRMSNorm
     # the MLP's input comes from pre_feedforward_layernorm (post_attention_layernorm feeds the residual)
     quant_producers = {
         "self_attn.qkv_proj": ("input_layernorm", None),
@@ -86,17 +73,9 @@ class Gemma3ForCausalLM(CausalLM):
     }
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        super().__init__()
-        self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        super().__init__(spec, dtype, device)
         # sqrt(hidden) in the weight dtype (bf16 rounds sqrt(640)=25.298 to 25.25), as transformers does
         self.embed_scale = float(torch.tensor(spec.hidden_size**0.5, device="cpu").to(dtype))
-        self.rotary = self.build_rotary(device)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
-        self.norm = OffsetRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
 
     def build_rotary(self, device) -> nn.Module:
         return Gemma3Rotary(self.spec, device=device)

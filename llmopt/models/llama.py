@@ -1,11 +1,8 @@
-"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 dense), registered in
-`llmopt.models.registry`. The family's differences are data in `ModelSpec`: q/k/v bias (Qwen2), RMSNorm
-on each q and k head before RoPE (Qwen3, `qk_norm`), a head_dim that is not hidden / heads, and
-per-layer sliding-window attention (Mistral, `layer_types`), masked in `PagedAttention`.
+"""Our llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 dense). The family's differences
+are `ModelSpec` data: q/k/v bias (Qwen2), per-head q/k norms (Qwen3), head_dim, sliding windows (Mistral).
 
-Projections are fused (qkv, gate_up) to cut kernel launches and weight reads; every projection is a
-swappable Linear (see `llmopt.layers.linear`), so quantized modules drop in without touching this file.
-The forward takes a flat batch of tokens from many sequences plus `AttentionMetadata` for the paged cache.
+Projections are fused (qkv, gate_up) and each is a swappable Linear (`llmopt.layers.linear`), so
+quantized modules drop in without touching this file.
 """
 
 from __future__ import annotations
@@ -111,6 +108,7 @@ class LlamaForCausalLM(CausalLM):
         "mlp.down_proj": ("mlp.gate_up_proj", "up_proj"),
     }
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    norm_class: type[nn.Module] = RMSNorm  # of the final norm (Gemma 3: OffsetRMSNorm)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
@@ -119,7 +117,7 @@ class LlamaForCausalLM(CausalLM):
         # one cos/sin table for all layers (a non-persistent buffer, not in the checkpoint)
         self.rotary = self.build_rotary(device)
         self.layers = nn.ModuleList(self.decoder_layer(spec, i, dtype, device) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -16,8 +16,9 @@ from llmopt.models.resolve import ResolvedModel, weights_dir
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
+
 def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32") -> torch.dtype:
-    """`auto` keeps the checkpoint dtype, except fp16 on CPU stays fp32 (CPU fp16 matmuls are slow)."""
+    """A dtype name (or `auto`: the checkpoint's) as a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -30,9 +31,8 @@ def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32") -> torch.
 def load_state_into(model: CausalLM, directory: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    files = sorted(directory.glob("*.safetensors"))
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st, torch.no_grad():
             for name in st.keys():
                 if "rotary_emb" in name:
                     continue
@@ -41,26 +41,17 @@ def load_state_into(model: CausalLM, directory: Path) -> None:
                     raise LlmoptError(f"{f.name}: unexpected tensor {name!r} (does config.json's architecture "
                                       f"match the weights?)")
                 target = params[ours]
+                if shard is not None:  # the rows of one projection inside a fused linear
+                    lo, hi = output_splits(model.get_submodule(ours.rsplit(".", 1)[0]))[shard]
+                    target = target[lo:hi]
                 tensor = st.get_tensor(name)
-                with torch.no_grad():
-                    if shard is None:
-                        if tuple(tensor.shape) != tuple(target.shape):
-                            raise LlmoptError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-                        target.copy_(tensor)
-                    else:
-                        module = model.get_submodule(ours.rsplit(".", 1)[0])
-                        lo, hi = output_splits(module)[shard]
-                        target[lo:hi].copy_(tensor)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise LlmoptError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                target.copy_(tensor)
                 loaded.add(ours if shard is None else f"{ours}:{shard}")
-    expected = set()
-    for name, mod in model.named_modules():
-        splits = output_splits(mod)
-        for pname, _ in mod.named_parameters(recurse=False):
-            full = f"{name}.{pname}"
-            if splits:
-                expected.update(f"{full}:{s}" for s in splits)
-            else:
-                expected.add(full)
+    # every parameter, a fused one once per checkpoint projection in it
+    expected = {f"{name}.{p}" + (f":{s}" if s else "") for name, mod in model.named_modules()
+                for p, _ in mod.named_parameters(recurse=False) for s in output_splits(mod) or [None]}
     if model.spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)

@@ -1,10 +1,6 @@
-"""The model registry: which Hugging Face architectures llmopt runs, and with which implementation.
-
-Each entry maps a config's `architectures` entry (or, failing that, its `model_type`) to one of our
-model classes, plus the architecture facts a config may leave implicit (a default q/k/v bias, q/k
-norms). The entries are plain data, so `ModelSpec` (and vram-plan) read them without importing torch;
-the model class is imported only when a model is built. What a model class declares itself (its
-checkpoint-name mapping and quantizable linears) lives on the class, see `llmopt.models.base`.
+"""The model registry: which Hugging Face architectures llmopt runs, with which of our classes, and
+the facts a config may leave implicit. Plain data, so `ModelSpec` and vram-plan read it without torch;
+a model class is imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -64,27 +60,17 @@ def supported_hint() -> str:
 def lookup(cfg: dict[str, Any]) -> ModelEntry:
     """The registry entry for a HF config dict: its first known `architectures` entry, else `model_type`."""
     archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
-    for a in archs:
-        if a in BY_ARCHITECTURE:
-            return BY_ARCHITECTURE[a]
-    model_type = cfg.get("model_type")
-    if model_type in BY_MODEL_TYPE:
-        return BY_MODEL_TYPE[model_type]
-    raise LlmoptError(f"unsupported architecture model_type={model_type!r} ({','.join(archs) or 'unknown'}); "
-                      f"{supported_hint()}")
-
-
-def entry_for(spec: ModelSpec) -> ModelEntry:
-    if spec.architecture in BY_ARCHITECTURE:
-        return BY_ARCHITECTURE[spec.architecture]
-    if spec.model_type in BY_MODEL_TYPE:
-        return BY_MODEL_TYPE[spec.model_type]
-    raise LlmoptError(f"no model implementation for model_type={spec.model_type!r}; {supported_hint()}")
+    entry = next((BY_ARCHITECTURE[a] for a in archs if a in BY_ARCHITECTURE), None)
+    entry = entry or BY_MODEL_TYPE.get(cfg.get("model_type"))  # type: ignore[arg-type]
+    if entry is None:
+        raise LlmoptError(f"unsupported architecture model_type={cfg.get('model_type')!r} "
+                          f"({','.join(archs) or 'unknown'}); {supported_hint()}")
+    return entry
 
 
 def model_class(spec: ModelSpec) -> type[CausalLM]:
     """Our implementation class for `spec` (imported on first use)."""
-    module, _, name = entry_for(spec).impl.partition(":")
+    module, _, name = lookup({"architectures": [spec.architecture], "model_type": spec.model_type}).impl.partition(":")
     return getattr(importlib.import_module(module), name)
 
 

