@@ -1,15 +1,9 @@
-"""Block manager: a free list, reference counts and a prefix cache over the paged KV pool.
+"""Block manager: a free list, reference counts and a prefix cache over one KV group's paged pool.
 
-A full block is identified by a chained hash of (parent block's hash, its own token ids), so a hit on
-block i implies the whole prefix up to i matches; the tokens are verified on every hit anyway, because
-Python's hash can collide. Blocks freed with a hash stay resident as evictable cache, evicted LRU.
-
-When every layer of the pool slides over the same `window` (Mistral's `sliding_window`, or the
-sliding group of a model that mixes full and sliding layers, see hybrid_block_manager.py), a block whose
-positions no later query can see is given back as the sequence advances (`release_out_of_window`), so
-a sequence holds about window / block_size blocks however long it gets, as vLLM and llama.cpp do. Its
-table keeps the entry (positions stay where they are); attention masks it out. One manager keeps one
-KV group's table of each sequence (`Sequence.kv_table(group)`).
+A full block is keyed by a chained hash of (parent hash, its token ids), so a hit on block i means the
+whole prefix matches (tokens are compared too: hashes can collide). Freed hashed blocks stay as
+evictable cache, evicted LRU. Where every layer of the pool slides over one window, blocks no later
+query can see are given back as the sequence advances (their table entries stay, masked).
 """
 
 from __future__ import annotations
@@ -38,21 +32,15 @@ class BlockManager:
                  release_window: int | None = None, group: int = 0):
         """`release_window`: the window every layer of this pool slides over (None: keep every block).
         `group`: which of a sequence's block tables this manager keeps (`Sequence.kv_table`)."""
-        self.group = group
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.release_window = release_window
+        self.group, self.num_blocks, self.block_size = group, num_blocks, block_size
+        self.enable_prefix_caching, self.release_window = enable_prefix_caching, release_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref_count 0 but hashed, LRU first
         self.hash_to_block: dict[int, int] = {}
-        # counters for metrics (tokens, like vLLM's prefix_cache_queries / hits)
-        self.prefix_queries = 0
-        self.prefix_hits = 0
+        self.prefix_queries = self.prefix_hits = 0  # tokens, like vLLM's prefix_cache_queries / hits
         self._reported = (0, 0)
 
-    # ---- accounting -------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_ids) + len(self.evictable)
@@ -65,7 +53,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # ---- hashing ------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full: int) -> list[int]:
         bs = self.block_size
         hashes = seq.block_hashes
@@ -76,9 +63,8 @@ class BlockManager:
         return hashes[:num_full]
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the sequence's leading full blocks. At least one token is always left
-        to compute, because the last prompt token's logits are needed to sample. A request asking for
-        prompt logprobs takes no cached blocks: it needs the logits of every prompt position (as vLLM)."""
+        """Cached blocks matching the sequence's leading full blocks, leaving at least one token to compute
+        (its logits are sampled); none for prompt_logprobs requests: they need every position's logits."""
         if not self._cacheable(seq):
             return []
         max_full = (seq.num_tokens - 1) // self.block_size
@@ -121,7 +107,6 @@ class BlockManager:
         self._reported = (self.prefix_queries, self.prefix_hits)
         return self.prefix_queries - q0, self.prefix_hits - h0
 
-    # ---- allocation ---------------------------------------------------------
     def can_allocate(self, hits: list[int], num_tokens: int, skipped: int = 0) -> bool:
         """Can a new sequence take `hits` from the cache and hold `num_tokens` tokens in total?
         `skipped`: leading blocks it never takes (they left a sliding window before the hits)."""
@@ -162,19 +147,14 @@ class BlockManager:
             bid = self.free_ids.popleft()
         else:
             bid, _ = self.evictable.popitem(last=False)  # least recently used cached block
-            block = self.blocks[bid]
-            if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
-                del self.hash_to_block[block.hash]
-            block.hash = None
-            block.token_ids = None
+            self._uncache(self.blocks[bid])
         block = self.blocks[bid]
         assert block.ref_count == 0, f"block {bid} handed out while in use"
         block.ref_count = 1
         return bid
 
     def record_progress(self, seq: Sequence) -> None:
-        """After a step computed more of `seq`: commit its newly full blocks to the prefix cache, then
-        give back those that left the window (a released full block stays cached, evictable)."""
+        """After a step: commit newly full blocks to the prefix cache, then give back what left the window."""
         self.commit_full_blocks(seq)
         self.release_out_of_window(seq)
 
@@ -204,9 +184,14 @@ class BlockManager:
             if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
                 self.evictable[bid] = None
             else:
-                block.hash = None
-                block.token_ids = None
+                self._uncache(block)
                 self.free_ids.append(bid)
+
+    def _uncache(self, block: Block) -> None:
+        """Forget a block's prefix-cache identity (and its hash entry, where that still points here)."""
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = block.token_ids = None
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks. Tail blocks are released first so they are evicted first."""
@@ -219,9 +204,8 @@ class BlockManager:
         seq.spec.draft_computed = 0
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        """Give back the leading blocks that fell out of every layer's window: the next query sits at
-        position num_computed_tokens and sees positions after num_computed_tokens - window. Called
-        after `commit_full_blocks`, so a released full block stays in the prefix cache (evictable)."""
+        """Give back the leading blocks no later query sees (the next sits at num_computed_tokens). Called
+        after `commit_full_blocks`, so a released full block stays cached (evictable)."""
         if self.release_window is None:
             return
         t = seq.kv_table(self.group)
@@ -234,9 +218,6 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Drop every evictable cached block (used by benchmarks to compare cold runs)."""
         for bid in list(self.evictable):
-            block = self.blocks[bid]
-            self.hash_to_block.pop(block.hash, None)
-            block.hash = None
-            block.token_ids = None
+            self._uncache(self.blocks[bid])
             self.free_ids.append(bid)
         self.evictable.clear()

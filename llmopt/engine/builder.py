@@ -1,7 +1,4 @@
-"""Builds an engine's parts from its config: the model, tokenizer, optional draft model and the KV pool.
-
-Everything here runs once, before the first step; `LLMEngine` only wires the parts together.
-"""
+"""Builds an engine's parts from its config, once: model, tokenizer, draft model, KV pool, scheduler."""
 
 from __future__ import annotations
 
@@ -79,9 +76,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
         ds = draft.spec  # the draft's pool mirrors the target's (group 0) block for block
         draft_bytes = attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
-    for m in (model, draft):
-        if m is None:
-            continue
+    for m in [m for m in (model, draft) if m is not None]:
         if config.enforce_eager:  # int8 weights on torch's kernel, not ours
             use_native_int8_kernel(m, False)
         else:  # bf16/fp16 on a CPU: weights packed once (faster decode), W8A16's int8 ones too
@@ -91,26 +86,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                                              draft is not None)
     if kv_scales is not None and kv_cache.quantized:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
-    limit = config.max_model_len or s.max_position_embeddings
-    max_model_len = min(limit, s.max_position_embeddings, num_blocks * bs)
+    max_model_len = min(config.max_model_len or s.max_position_embeddings, s.max_position_embeddings, num_blocks * bs)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           config.enable_chunked_prefill, config.scheduling_policy)
     runner = ModelRunner(model, kv_cache, attn)
-    draft_runner = None
-    if draft is not None:
-        dcache = attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype)
-        draft_runner = ModelRunner(draft, dcache, attn)
+    draft_runner = None if draft is None else ModelRunner(
+        draft, attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype), attn)
     return EngineParts(resolved, s, device, dtype, model, wdir, tokenizer, eos, structured, kv_cache,
                        kv_bytes, num_blocks, max_model_len, block_manager, scheduler, runner, draft_runner)
 
 
 def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: torch.dtype, kv_dtype: str,
              draft_bytes: int, has_draft: bool):
-    """The KV pool and its block manager: (cache, manager, group 0's blocks, bytes).
-
-    One pool for most models. A model that mixes full and sliding layers gets one per KV group: the
-    full layers' sized as usual, each sliding group's for what max_num_seqs sequences see of the window
-    plus one step's new tokens (never more blocks than group 0). A draft model's pool mirrors group 0."""
+    """(cache, block manager, group 0's blocks, bytes). One pool, or for a model mixing full and sliding
+    layers one per KV group, each sliding one sized for max_num_seqs windows plus a step's tokens."""
     groups = s.kv_groups
     bs = c.block_size
     sizes = [attn.bytes_per_block(len(layers), s.num_kv_heads, s.head_dim, dtype, kv_dtype) for _, layers in groups]
@@ -142,8 +131,7 @@ def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: t
 
 
 def compute_dtype(requested: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype to run a model in; `auto` takes the checkpoint's, except fp16 on a CPU (emulated and
-    slow there), which runs in fp32."""
+    """`auto` takes the checkpoint's dtype, except fp16 on a CPU (slow there), which runs in fp32."""
     dtype = parse_dtype(requested, checkpoint)
     if device.type == "cpu" and dtype == torch.float16 and requested == "auto":
         return torch.float32
@@ -165,8 +153,8 @@ def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
 
 
 def _num_blocks(c: EngineConfig, spec: ModelSpec, device: torch.device, per_block: int, reserved: int = 0) -> int:
-    """KV pool size: what the config asks for, else what memory allows (less `reserved` bytes, for
-    other pools), capped at what max_num_seqs full-length sequences can use."""
+    """Blocks: as configured, else what memory allows (less `reserved` bytes), capped at what
+    max_num_seqs full-length sequences use."""
     if c.num_kv_blocks:
         return c.num_kv_blocks
     if c.kv_cache_memory is not None:

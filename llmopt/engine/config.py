@@ -14,7 +14,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # alias, HF dir or .gguf; None = the embedded SmolLM2-135M
-    dtype: str = "auto"  # auto|float32|bfloat16|float16
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"] = "auto"
     device: str = "auto"  # auto|cpu|cuda|cuda:N
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -23,9 +23,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
-    # True: plain eager torch: no TorchInductor kernels (bf16/fp16 prefill on CPU),
-    # no oneDNN-packed weights (llmopt.layers.packed_linear, bf16/fp16 on CPU) and none of our C kernels
-    # (llmopt.native: paged decode attention, int8 matmuls, bf16 decode element-wise ops; llmopt.layers.kernels)
+    # True: plain eager torch: no TorchInductor, no packed weights (llmopt.layers.packed_linear) and none
+    # of our C kernels (llmopt.native)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -38,11 +37,3 @@ class EngineConfig(BaseModel):
     @classmethod
     def _mem(cls, v):
         return None if v is None else parse_bytes(v)
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        allowed = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
-        if v not in allowed:
-            raise ValueError(f"dtype must be one of {', '.join(allowed)}")
-        return v

@@ -1,8 +1,6 @@
-"""Incremental detokenization for streaming.
-
-Decoding only new tokens in isolation breaks multi-byte characters and leading spaces, so (like vLLM)
-each step decodes a short window before the read offset and emits the text that window gained, holding
-back text that ends in an incomplete UTF-8 sequence (U+FFFD).
+"""Incremental detokenization for streaming. Decoding new tokens alone breaks multi-byte characters and
+leading spaces, so (as vLLM) each step decodes a short window before the read offset and emits what it
+gained, holding back text that ends in an incomplete UTF-8 sequence (U+FFFD).
 """
 
 from __future__ import annotations

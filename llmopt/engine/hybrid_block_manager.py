@@ -1,16 +1,9 @@
-"""HybridBlockManager: the block managers of a model that mixes full and sliding-window layers.
+"""HybridBlockManager: one BlockManager per KV group, behind the BlockManager interface.
 
-Gemma 3 slides over 512 positions on 5 of every 6 layers. One pool holding every layer per block
-would keep the sliding layers' K/V for the whole context, so those layers get their own pool (a second
-KV group, as vLLM's hybrid allocator does): group 0 holds the full layers and keeps every block;
-each sliding group gives back what left its window, so its memory per sequence is bounded by the
-window. Each group has its own BlockManager and its own table in every sequence
-(`Sequence.kv_table(g)`); this class gives the scheduler, the engine and scoring the single
-BlockManager interface they use.
-
-Prefix caching spans the groups: a prefix of n blocks is a hit only if group 0 has all n and each
-sliding group still has the blocks the first computed query sees (those in its window before position
-n·block_size); earlier sliding blocks are never taken (`skipped`), as they would be released at once.
+For models that mix full and sliding-window layers (Gemma 3), the sliding layers get their own pool,
+as in vLLM's hybrid allocator: group 0 (full layers) keeps every block, each sliding group gives back
+what left its window. A cached prefix of n blocks is a hit only if group 0 has all n and each sliding
+group still has the blocks in its window before position n * block_size (earlier ones are `skipped`).
 """
 
 from __future__ import annotations
@@ -32,43 +25,16 @@ class HybridBlockManager:
     def __init__(self, full: BlockManager, sliding: list[BlockManager]):
         assert full.group == 0 and all(m.release_window for m in sliding)
         self.full, self.sliding = full, sliding
-        self.block_size = full.block_size
-        self.enable_prefix_caching = full.enable_prefix_caching
-        self.release_window = None  # group 0 keeps every block
 
-    # ---- what the engine reads: group 0's pool, the binding usage -------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.full.num_blocks
-
-    @property
-    def blocks(self):
-        return self.full.blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.full.num_free_blocks
+    def __getattr__(self, name: str):
+        """What the engine reads and the scheduler counts is group 0's: its pool size, free blocks, block
+        size and prefix-cache counters (a prefix is a hit only where group 0 has it)."""
+        return getattr(self.full, name)
 
     @property
     def usage(self) -> float:
+        """The binding pool's: the fullest group."""
         return max(m.usage for m in (self.full, *self.sliding))
-
-    @property
-    def prefix_hits(self) -> int:
-        return self.full.prefix_hits
-
-    @property
-    def prefix_queries(self) -> int:
-        return self.full.prefix_queries
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return self.full.blocks_needed(num_tokens)
-
-    def take_prefix_counts(self) -> tuple[int, int]:
-        return self.full.take_prefix_counts()
-
-    def count_prefix_lookup(self, seq: Sequence, hits: list[int]) -> None:
-        self.full.count_prefix_lookup(seq, hits)
 
     # ---- prefix lookup and allocation -------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> PrefixHit:

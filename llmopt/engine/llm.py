@@ -43,16 +43,11 @@ class LLM:
                 raise ValueError("sampling_params must be one object or one per prompt")
         ids = []
         for i, (item, p) in enumerate(zip(items, params, strict=True)):
-            prio = priority[i] if priority else 0
-            if isinstance(item, str):
-                rid = self.engine.add_request(None, prompt=item, params=p, priority=prio)
-            elif isinstance(item, dict):
-                rid = self.engine.add_request(None, prompt=item.get("prompt"),
-                                              prompt_token_ids=item.get("prompt_token_ids"), params=p,
-                                              priority=prio)
-            else:
-                rid = self.engine.add_request(None, prompt_token_ids=list(item), params=p, priority=prio)
-            ids.append(rid)
+            if not isinstance(item, dict):
+                item = {"prompt": item} if isinstance(item, str) else {"prompt_token_ids": list(item)}
+            ids.append(self.engine.add_request(None, prompt=item.get("prompt"), params=p,
+                                               prompt_token_ids=item.get("prompt_token_ids"),
+                                               priority=priority[i] if priority else 0))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
@@ -92,12 +87,9 @@ class LLM:
 def stream_text(llm: LLM, prompt: str, params: SamplingParams, chat: bool = False):
     """Yield text deltas of one request as the engine produces them, then the final RequestOutput."""
     eng = llm.engine
-    if chat:
-        text = eng.apply_chat_template([{"role": "user", "content": prompt}])
-        rid = eng.add_request(prompt=text, prompt_token_ids=eng.tokenizer.encode(text, add_special_tokens=False),
-                              params=params)
-    else:
-        rid = eng.add_request(prompt=prompt, params=params)
+    text = eng.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    ids = eng.tokenizer.encode(text, add_special_tokens=False) if chat else None  # the template has the BOS
+    rid = eng.add_request(prompt=text, prompt_token_ids=ids, params=params)
     final = None
     while final is None:
         for out in eng.step():

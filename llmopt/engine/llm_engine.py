@@ -1,14 +1,10 @@
-"""LLMEngine: add_request / step / abort_request over the scheduler, block manager and model runner.
+"""LLMEngine: add_request / step / abort_request, the one engine core under serve, bench and eval.
 
-One engine core serves `serve`, `bench` and `eval`. `step()` runs one batch and returns a RequestOutput
-for every request that produced text or finished, with incremental `delta_text` for streaming, and
-reports a `StepStats` to every registered listener (Prometheus metrics, benchmarks, logs).
-
-The step, one way: scheduler (scheduler.py) -> model input (model_runner.prepare, model_input.py) ->
-model -> sampler and verifier (sampler.py, spec_decode/verifier.py) -> post-step update (`_update`
-below, the one writer of sequence progress) -> outputs (output_processor.py), then the next step's
-drafts (spec_decode/speculator.py, as vLLM v1 proposes after sampling). The parts are built by
-builder.py.
+The step, one way: scheduler.py -> model input (model_runner.prepare, model_input.py) -> model ->
+sampler.py / spec_decode/verifier.py -> post-step update (`_update`, the one writer of sequence
+progress) -> outputs (output_processor.py), then the next step's drafts (spec_decode/speculator.py,
+proposed after sampling as in vLLM v1). builder.py makes the parts; every step's `StepStats` goes to
+the registered listeners (metrics, bench).
 """
 
 from __future__ import annotations
@@ -56,7 +52,6 @@ class LLMEngine:
         self.stat_listeners: list[Callable[[StepStats], None]] = []
         self._next_id = 0
 
-    # ---- requests -----------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
@@ -112,8 +107,8 @@ class LLMEngine:
         return self.requests.get(request_id)
 
     def set_priority(self, request_id: str, priority: int) -> bool:
-        """Change a queued or running request's scheduling priority (lower runs first); the scheduler
-        reads it from its next step. Returns False if the request is unknown or done."""
+        """Change a request's scheduling priority (lower runs first) from the next step on; False if the
+        request is unknown or done."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
@@ -128,19 +123,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return sum(1 for r in self.requests.values() if not r.finished)
-
     def free_capacity(self) -> tuple[int, int]:
-        """(sequence slots, KV blocks) free for sequences not scheduled yet, so a server can tell a request
-        that starts at the next step from one that has to wait. A preempted sequence keeps its slot (it is
-        queued to resume); evictable prefix-cache blocks count as free, as the scheduler counts them."""
+        """(sequence slots, KV blocks) free for new sequences, so a server can tell a request that starts
+        next step from one that waits. A preempted sequence keeps its slot; evictable blocks count as free."""
         sched = self.scheduler
         held = len(sched.running) + sum(1 for s in sched.waiting if s.metrics.first_scheduled_time is not None)
         return max(0, sched.max_num_seqs - held), self.block_manager.num_free_blocks
 
-    # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._expire_deadlines(t0)
@@ -150,7 +139,6 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        finished_stats, self._pending_finished = self._pending_finished, []
         new_tokens: list[tuple[str, float]] = []
         res = None
         if not sched.empty:
@@ -162,17 +150,15 @@ class LLMEngine:
         for req_out in outputs:
             if req_out.finished:
                 self.requests.pop(req_out.request_id, None)
-        finished_stats.extend(self._pending_finished)
-        self._pending_finished = []
+        finished_stats, self._pending_finished = self._pending_finished, []  # aborted earlier, or this step
         if self.stat_listeners:
             self._report(sched, res, t0, t1, t2, new_tokens, finished_stats)
         return outputs
 
     def _update(self, sched: SchedulerOutput, res: StepResult, new_tokens: list[tuple[str, float]]
                 ) -> list[RequestOutput]:
-        """The post-step update, the one writer of sequence progress: K/V now cached (num_computed_tokens),
-        tokens appended, full blocks committed to the prefix cache, blocks out of a sliding window given
-        back. Returns the touched requests' outputs."""
+        """The one writer of sequence progress: num_computed_tokens, appended tokens, full blocks to the
+        prefix cache, blocks out of a window given back. Returns the touched requests' outputs."""
         bm = self.block_manager
         for seq, n in sched.scheduled:
             if not seq.spec.tokens:  # a speculating sequence advances by what the verifier accepted
@@ -189,9 +175,10 @@ class LLMEngine:
                 self.speculator.record(seq, len(tokens) - 1)
                 seq.num_computed_tokens += 1  # the last real token's K/V is now cached
             for j, (token, lp) in enumerate(zip(tokens, lps, strict=True)):
-                self._append_token(seq, token, lp, now)
+                reason = self.outputs.append_token(seq, token, lp, now)
                 new_tokens.append((seq.request_id, now))
-                if seq.is_finished:
+                if reason is not None:
+                    self._finish(seq, reason)
                     break
                 if j < len(tokens) - 1:
                     seq.num_computed_tokens += 1  # an accepted draft: its K/V was computed in this pass
@@ -207,11 +194,6 @@ class LLMEngine:
         for req in list(self.requests.values()):
             if req.deadline is not None and not req.finished and now > req.deadline:
                 self.abort_request(req.request_id, reason="timeout")
-
-    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:
-        reason = self.outputs.append_token(seq, token, lp, now)
-        if reason is not None:
-            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

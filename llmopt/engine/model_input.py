@@ -1,8 +1,5 @@
-"""ModelInput: what one forward pass of the model runner consumes, built by `ModelRunner.prepare`.
-
-A named record instead of a positional tuple, so the main step, the draft proposers and teacher-forced
-scoring read the same fields by name.
-"""
+"""ModelInput: what one forward pass consumes (`ModelRunner.prepare`), read by name by the step, the
+draft proposers and scoring."""
 
 from __future__ import annotations
 

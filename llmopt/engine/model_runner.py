@@ -1,10 +1,7 @@
-"""ModelRunner: turns a scheduled step into a ModelInput, runs the model, samples plain rows and
-verifies speculating ones, and returns per sequence the tokens to append.
+"""ModelRunner: a scheduled step -> ModelInput -> model -> sampler/verifier -> the tokens to append.
 
-Sequences are laid out prefill chunks first, then single-token decodes (longest context first), so
-attention can batch all decodes in one call; the attention backend turns that layout into its
-metadata. Only positions that end a sequence's known tokens produce logits, plus, for a
-request asking for prompt logprobs, every prompt position of its prefill chunks.
+Rows are laid out prefill chunks first, then decodes (longest context first, so attention batches
+them); only rows that end a sequence's known tokens (and prompt-logprob rows) produce logits.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import torch
 
 from llmopt.engine.argmax import argmax
 from llmopt.engine.model_input import ModelInput
-from llmopt.engine.sampler import SamplingRow, sample
+from llmopt.engine.sampler import sample
 from llmopt.engine.sequence import Sequence
 from llmopt.engine.spec_decode.verifier import verify
 from llmopt.layers.attention import AttentionBackend, AttentionMetadata
@@ -46,10 +43,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: CausalLM, cache, attn_backend: AttentionBackend):
         """`cache`: the KV pool `attn_backend` made, in its layout."""
-        self.model = model
-        self.cache = cache
-        self.attn_backend = attn_backend
-        self.device = attn_backend.device
+        self.model, self.cache, self.attn_backend, self.device = model, cache, attn_backend, attn_backend.device
 
     def _layout(self, chunks: list[tuple[list[int], int, list[int]]], decodes: list[tuple[list[int], int, int]],
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -63,9 +57,8 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
-        """One scheduled step's model input. Sampled rows end a sequence's known tokens; a speculating
-        sequence has rows for its last real token and each draft; requests with prompt_logprobs add
-        the rows that score their prompt."""
+        """One scheduled step's model input: sampled rows, a speculating sequence's rows (its last real
+        token and each draft) and the rows that score a prompt for prompt_logprobs."""
         prefills = [(s, n) for s, n in scheduled if n > 1]
         # longest context first, so that decode groups of similar lengths are consecutive rows
         decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
@@ -103,12 +96,8 @@ class ModelRunner:
     @torch.inference_mode()
     def greedy_next(self, items: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> list[int]:
         """Draft proposals: for each (block tables, start, tokens), run `tokens` at positions start.. over
-        the cached context before `start`, write their K/V, and return the argmax after the last one.
-
-        Single tokens go through the batched decode path, longer runs (a draft model catching up on
-        context it has not seen) as prefill chunks. `num_layers` runs only the first layers plus the
-        final norm and head (the layer-skip self-draft, which shares the target's pool: the target's
-        verification pass later overwrites those layers' slots with identical values)."""
+        the cached context, write their K/V and return the argmax after the last one. `num_layers`: only
+        the first layers plus norm and head (layer_skip; the verification pass rewrites the same slots)."""
         inp = self._prepare_draft(items)
         hidden = self.forward(inp, num_layers)
         rows = torch.tensor(inp.logits_indices, device=hidden.device)
@@ -140,26 +129,21 @@ class ModelRunner:
         rows, seqs, spec_rows = inp.logits_indices, inp.sample_seqs, inp.spec_rows
         t1 = time.perf_counter()
         hidden = self.forward(inp)
-        spec_logits: list[tuple[Sequence, torch.Tensor]] = []
         all_rows = rows + [r for _, rs in spec_rows for r in rs]
+        spec_logits: list[torch.Tensor] = []
         if all_rows:
             all_logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=hidden.device)])
-            logits = all_logits[:len(rows)]
-            start = len(rows)
-            for seq, rs in spec_rows:
-                spec_logits.append((seq, all_logits[start:start + len(rs)]))
-                start += len(rs)
+            logits, *spec_logits = all_logits.split([len(rows)] + [len(rs) for _, rs in spec_rows])
         prompt_lps = [(seq, pos + 1, self._prompt_logprobs(hidden[row:row + m], seq.token_ids[pos + 1:pos + 1 + m],
                                                            seq.params.prompt_logprobs or 0))
                       for seq, row, pos, m in inp.prompt_rows]
         t2 = time.perf_counter()
         new_tokens: list[tuple[Sequence, list[int], list[dict[int, float] | None]]] = []
         if rows:
-            srows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_ids_for_min_tokens,
-                                 s.generator, s.grammar) for s in seqs]
-            tokens, lps = sample(logits, srows)
+            tokens, lps = sample(logits, seqs)
             new_tokens = [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps, strict=True)]
-        for seq, lg in spec_logits:  # after sampling: both may draw from the global generator, in this order
+        # verified after sampling: both may draw from the global generator, in this order
+        for (seq, _), lg in zip(spec_rows, spec_logits, strict=True):
             out = verify(lg, seq.spec.tokens, seq.params, seq.generator, seq.grammar)
             new_tokens.append((seq, out, [None] * len(out)))
         t3 = time.perf_counter()
@@ -167,8 +151,7 @@ class ModelRunner:
                           prompt_lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
-        """Log-softmax of each row scoring the matching target token: its logprob and rank (1 = argmax)
-        and the top_n alternatives, a bounded number of rows at a time."""
+        """Each target token's logprob and rank (1 = argmax) plus the top_n alternatives, in bounded chunks."""
         out: list[PromptLogprob] = []
         for a in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
             lp = torch.log_softmax(self.model.compute_logits(hidden[a:a + PROMPT_LOGPROBS_ROWS]), dim=-1)

@@ -1,8 +1,7 @@
 """OutputProcessor: what appending a token means for a request's text, and when the request stops.
 
-It detokenizes incrementally, checks EOS, stop tokens, stop strings, grammar termination and length
-limits, and builds RequestOutputs, holding back a streamed tail that could still become a stop string.
-It decides; the engine acts on the decision (frees the sequence's blocks).
+Incremental detokenization; EOS, stop tokens and strings, grammar end and length limits; and the
+RequestOutputs, holding back a streamed tail that could still become a stop string. The engine acts.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ from llmopt.engine.sequence import Sequence
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int):
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+        self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
 
     def append_token(self, seq: Sequence, token: int, lp, now: float) -> str | None:
         """Append one generated token (with its logprobs, if asked for) and its text; returns the finish

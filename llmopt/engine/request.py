@@ -3,7 +3,7 @@ refuse a request the engine could never serve."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,6 @@ class Request:
     seqs: list[Sequence]
     deadline: float | None = None
     finished: bool = False
-    extra: dict = field(default_factory=dict)
     prompt_logprobs: list | None = None  # params.prompt_logprobs: one entry per prompt token, the first None
 
     @property

@@ -1,42 +1,27 @@
-"""Sampler: grammar masks, logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds and
-logprobs.
+"""Sampler: grammar masks, logit bias, penalties, temperature, top-k/p, min-p, seeds and logprobs.
 
-Rows that are greedy and need nothing else take a plain argmax (the common fast path; engine/argmax.py). Sampling uses the
-exponential-race trick (argmax of p / E with E ~ Exp(1)), which equals a categorical draw and lets each
-request use its own seeded generator.
-
-Structured outputs (llmopt.engine.structured_output) come first: a constrained row's disallowed tokens
-are set to -inf before anything else, so its reported logprobs are those of the masked distribution
-(as in vLLM, which applies the grammar bitmask to the logits before its sampler). Such a row skips the
+Greedy rows take a plain argmax (the fast path). Sampling is the exponential race (argmax of p / E,
+E ~ Exp(1)): a categorical draw that lets each request use its own seeded generator. Grammar masks
+come first, as in vLLM, so logprobs are the masked distribution's, and a constrained row skips the
 min_tokens mask: its grammar alone decides when it may end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmopt.engine.argmax import argmax
 from llmopt.engine.sampling_params import SamplingParams
-from llmopt.engine.structured_output import GrammarMatcher, mask_rows
+from llmopt.engine.structured_output import mask_rows
+
+if TYPE_CHECKING:  # the verifier (imported by sequence's spec_decode package) imports this module
+    from llmopt.engine.sequence import Sequence
 
 
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one sequence."""
-
-    params: SamplingParams
-    token_ids: list[int]  # prompt + generated so far
-    num_prompt_tokens: int
-    stop_ids: tuple[int, ...]  # eos + stop_token_ids, masked until min_tokens is reached
-    generator: torch.Generator | None
-    grammar: GrammarMatcher | None = None  # structured outputs: the sequence's grammar state
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Per row, in vLLM's order: logit bias, then repetition / presence / frequency penalties, then the
-    min_tokens mask."""
+def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """In vLLM's order: logit bias, repetition / presence / frequency penalties, the min_tokens mask."""
     for i, r in enumerate(rows):
         p = r.params
         if p.logit_bias:
@@ -47,14 +32,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
-            out = r.token_ids[r.num_prompt_tokens:]
+            out = r.output_token_ids
             if out:
                 ids = torch.tensor(out, dtype=torch.long, device=logits.device)
                 counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
                     0, ids, torch.ones_like(ids, dtype=torch.float32))
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        if p.min_tokens and r.grammar is None and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens and r.stop_ids:
-            logits[i, list(r.stop_ids)] = float("-inf")
+        stop = r.stop_ids_for_min_tokens
+        if p.min_tokens and r.grammar is None and r.num_output_tokens < p.min_tokens and stop:
+            logits[i, list(stop)] = float("-inf")
 
 
 def _needs_processing(p: SamplingParams, num_out: int) -> bool:
@@ -62,29 +48,26 @@ def _needs_processing(p: SamplingParams, num_out: int) -> bool:
             or bool(p.logit_bias) or (p.min_tokens > 0 and num_out < p.min_tokens))
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits: [N, V] float32 (one row per sequence). Returns the chosen token ids and, per row, the
-    top-n logprobs (plus the chosen token) of the model's raw distribution (before bias and penalties,
-    as vLLM reports them; after a grammar's mask), or None."""
+def sample(logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits: [N, V] float32, one row per sequence in `rows`. Returns the chosen ids and per row the top-n
+    logprobs (plus the chosen token's) before bias and penalties, as vLLM reports them, or None."""
     g_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
     if g_rows:
         logits = logits.clone()
         mask_rows(logits, g_rows, [rows[i].grammar for i in g_rows])
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-    if any(_needs_processing(r.params, len(r.token_ids) - r.num_prompt_tokens) for r in rows):
+    if any(_needs_processing(r.params, r.num_output_tokens) for r in rows):
         logits = logits if g_rows else logits.clone()
         _apply_penalties(logits, rows)
-    greedy = [r.params.greedy for r in rows]
-    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    g_idx = [i for i, g in enumerate(greedy) if g]
-    if g_idx:
-        if len(g_idx) == len(rows):
-            chosen = argmax(logits)
-        else:
+    s_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not s_idx:  # all greedy: the fast path
+        chosen = argmax(logits)
+    else:
+        chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        g_idx = [i for i, r in enumerate(rows) if r.params.greedy]
+        if g_idx:
             chosen[g_idx] = argmax(logits[g_idx])
-    s_idx = [i for i, g in enumerate(greedy) if not g]
-    if s_idx:
         chosen[s_idx] = _sample_rows(logits[s_idx], [rows[i] for i in s_idx])
     token_ids = chosen.tolist()
     out_lp: list[dict[int, float] | None] = []
@@ -133,7 +116,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return _filtered_logits(logits, [params] * logits.shape[0]).softmax(dim=-1)
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
     probs = _filtered_logits(logits, [r.params for r in rows]).softmax(dim=-1)
     noise = torch.empty_like(probs)
     for i, r in enumerate(rows):

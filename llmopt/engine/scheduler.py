@@ -1,11 +1,8 @@
-"""Scheduler: continuous batching under a token budget, with chunked prefill and preemption.
+"""Scheduler: continuous batching under a token budget, with chunked prefill and preemption (vLLM v1).
 
-Each step (vLLM v1 semantics): running sequences go first, in policy order, each asking for the tokens
-it still lacks (1 for a decode, the rest of its prompt for a chunked prefill), capped by the step's
-token budget. When the KV pool runs out, the lowest-priority running sequence is preempted by
-recompute: its blocks are freed (they stay in the prefix cache) and it returns to the front of the
-queue. Waiting sequences are admitted only in steps without preemption, while budget, `max_num_seqs`
-and free blocks allow.
+Running sequences go first, in policy order, each asking for the tokens it lacks (and its drafts),
+within the step's budget. When the pool runs out, the last in order is preempted by recompute (its
+blocks stay in the prefix cache). Waiting sequences are admitted only in steps without preemption.
 """
 
 from __future__ import annotations
@@ -35,15 +32,11 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, policy: str = "fcfs"):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
-        self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = policy
+        self.bm, self.policy, self.enable_chunked_prefill = block_manager, policy, enable_chunked_prefill
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self._reported_preemptions = 0
+        self.num_preemptions = self._reported_preemptions = 0
 
     def _key(self, seq: Sequence):
         if self.policy == "priority":

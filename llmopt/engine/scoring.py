@@ -1,9 +1,5 @@
-"""Teacher-forced scoring through the engine's own model and paged KV cache.
-
-Perplexity, KL divergence and log-likelihood tasks all need the logits of every position of a known
-token sequence (vLLM's prompt logprobs). This runs such sequences as one prefill step of the same model
-runner that serves generation, so a quantized checkpoint or an INT8 KV cache is measured exactly as it
-will be served.
+"""Teacher-forced scoring (perplexity, KL, log-likelihood tasks) through the engine's own model runner
+and paged KV cache, so a quantized checkpoint or INT8 KV cache is measured exactly as it is served.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,16 +22,14 @@ class SequenceStatus(enum.Enum):
 _counter = itertools.count()
 
 
+@dataclass(slots=True)
 class BlockTable:
     """A sequence's blocks in one KV group (see block_manager.py): the table, how many leading entries
     are in the prefix cache, and how many were given back after leaving a sliding window."""
 
-    __slots__ = ("blocks", "num_hashed", "num_released")
-
-    def __init__(self) -> None:
-        self.blocks: list[int] = []
-        self.num_hashed = 0
-        self.num_released = 0
+    blocks: list[int] = field(default_factory=list)
+    num_hashed: int = 0
+    num_released: int = 0
 
 
 class Sequence:
@@ -44,8 +43,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        # one BlockTable per KV group: the full-attention layers' first (or every layer's), then, for a
-        # model that mixes full and sliding layers, the sliding layers'
+        # one BlockTable per KV group: group 0 (full attention, or every layer), then any sliding groups
         self.kv_tables: list[BlockTable] = [BlockTable()]
         self.block_hashes: list[int] = []  # chained hashes of full blocks, computed lazily
         self.status = SequenceStatus.WAITING
@@ -60,11 +58,8 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.grammar = None  # structured outputs: this sequence's GrammarMatcher, advanced as tokens append
         self.spec = SpecState()  # speculative decoding: this step's drafts, the request's acceptance
-        # incremental detokenization state
-        self.output_text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.sent_text_len = 0
+        self.output_text = ""  # incremental detokenization state (detokenizer.py), and what was streamed
+        self.prefix_offset = self.read_offset = self.sent_text_len = 0
 
     def kv_table(self, group: int) -> BlockTable:
         while len(self.kv_tables) <= group:

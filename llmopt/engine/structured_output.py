@@ -1,28 +1,12 @@
 """Structured outputs: grammar-constrained decoding with llguidance.
 
-A request's `SamplingParams.structured_outputs` names one constraint (vLLM's names): a JSON schema
-(`json`), any JSON object (`json_object`), a regular expression (`regex`), one of a list of strings
-(`choice`) or a context-free grammar (`grammar`: Lark, or GBNF/EBNF as llama.cpp and vLLM's xgrammar
-backend take it). `StructuredOutputCompiler` turns it into an llguidance matcher once per distinct
-(kind, text) and keeps it in a small LRU cache; every sequence then gets a cheap deep copy of that
-compiled matcher, which the engine advances token by token as it appends them.
-
-Each step the sampler asks each constrained row's matcher for a bitmask of the tokens the grammar
-allows next and sets every other logit to -inf before anything else (bias, penalties, temperature,
-top-k/p), so constrained and unconstrained requests share one batch. When the grammar cannot go on
-(the JSON value is closed, the regex fully matched with nothing more allowed, or an end-of-sequence
-token was chosen where the grammar accepts), the request finishes with finish_reason "stop".
-
-JSON is generated in one fixed layout, `{"a": 1, "b": [2, 3]}` (json.dumps' separators, no other
-whitespace: llguidance's `whitespace_flexible: false`), which keeps a sampling model from spending
-its tokens on spaces and newlines. llguidance refuses
-schema keywords it cannot enforce (`not`, unknown `format`s, unsatisfiable combinations) rather than
-ignoring them, so a schema it compiles is one whose every output validates.
-
-Speculative decoding stays exact: `draft_masks` walks a request's drafts through its matcher,
-computing the mask at every scored position and stopping at the first draft the grammar refuses
-(which the verifier then rejects, since its masked probability is 0), and rolls the matcher back;
-the accepted tokens are then appended (and consumed) as usual.
+A request names one constraint (vLLM's `structured_outputs`: json, json_object, regex, choice or a
+Lark/GBNF grammar). `StructuredOutputCompiler` compiles each distinct one once (LRU cache); every
+sequence gets a cheap copy of the compiled matcher, advanced as tokens are appended. Each step the
+sampler sets the logits of tokens the grammar refuses to -inf before anything else, so constrained
+and plain requests share a batch; the request ends ("stop") when the grammar is complete. JSON comes
+in one fixed layout (json.dumps' separators), and llguidance refuses schema keywords it cannot
+enforce, so every output of a compiled schema validates. `draft_masks` keeps speculation exact.
 """
 
 from __future__ import annotations
@@ -125,10 +109,8 @@ class GrammarMatcher:
 
 
 class StructuredOutputCompiler:
-    """Compiles constraints for one tokenizer, once each (LRU cache); safe to share between threads.
-
-    The llguidance tokenizer (about a second for a 49k vocabulary) is built on the first compile, so
-    engines that never see a constrained request never pay for it."""
+    """Compiles constraints for one tokenizer, once each (LRU cache); safe to share between threads. The
+    llguidance tokenizer (~1 s for a 49k vocabulary) is built on the first compile only."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int] | tuple[int, ...],
                  cache_size: int = GRAMMAR_CACHE_SIZE):
@@ -234,11 +216,9 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatch
 
 
 def draft_masks(grammar: GrammarMatcher, drafts: list[int], logits: torch.Tensor) -> None:
-    """Speculative verification: constrain row i of `logits` ([len(drafts)+1, V]) by the grammar state
-    after drafts[:i], walking the drafts through the matcher up to the first one it refuses or the one
-    that completes it (rows after that are never used: the verifier rejects a refused draft, whose
-    masked probability is 0, and the request finishes on the completing one), then roll the matcher
-    back to where it was."""
+    """Constrain row i of `logits` ([len(drafts)+1, V]) by the grammar state after drafts[:i], up to the
+    first draft it refuses (which the verifier then rejects: masked probability 0) or the one that
+    completes it, then roll the matcher back. Later rows are never used."""
     words = bitmask_words(logits.shape[1])
     bm = torch.zeros(len(drafts) + 1, words, dtype=torch.int32)
     consumed = 0

@@ -1,20 +1,10 @@
 """Speculative decoding inside the continuous-batching engine.
 
-A proposer suggests k draft tokens per running sequence; the target model scores the last real token
-plus the drafts in ONE forward pass (a k+1-token chunk over the paged cache, batched with everything
-else in the step); the verifier keeps the longest acceptable prefix plus one token from the target.
-KV slots written for rejected drafts are simply not counted as computed, so they are overwritten
-later and never enter the prefix cache.
-
-- `config.py`: SpeculativeConfig.
-- `ngram.py`: prompt lookup, no extra model.
-- `model_proposer.py`: `layer_skip` (the target's first layers) and `draft` (a separate model).
-- `verifier.py`: greedy identity and rejection sampling, exact under structured outputs.
-- `speculator.py`: the component the engine calls: propose after a step (for the next), record.
-- `state.py`: the per-sequence SpecState and the engine-wide SpecCounters.
-
-Speculation is skipped per request when its running acceptance rate falls below a threshold, and for
-the whole step when the batch is large enough that verification costs more than it saves.
+A proposer drafts k tokens per running sequence; the target scores the last real token plus the drafts
+in one k+1-token chunk of the step's batch; the verifier keeps the accepted prefix plus one target
+token. Rejected drafts' KV slots are never counted as computed, so they are overwritten later.
+`speculator.py` is what the engine calls; proposers are `ngram.py` and `model_proposer.py`
+(layer_skip, draft); `state.py` holds the per-sequence state and the counters.
 """
 
 from llmopt.engine.spec_decode.config import SpeculativeConfig

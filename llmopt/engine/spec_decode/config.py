@@ -12,9 +12,8 @@ class SpeculativeConfig(BaseModel):
 
     method: Literal["ngram", "layer_skip", "draft"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
-    # above num_speculative_tokens: each request adapts its k between 1 and this, as transformers'
-    # assisted generation does ("heuristic" schedule): +2 after a round whose drafts were all
-    # accepted, -1 after a rejection. None keeps k fixed.
+    # each request adapts its k between 1 and this, as transformers' assisted generation does: +2 after
+    # a round whose drafts were all accepted, -1 after a rejection. None keeps k fixed.
     max_speculative_tokens: int | None = Field(None, ge=1, le=16)
     # draft: the draft model (alias, HF dir, .gguf or an llmopt-quantized checkpoint) and its dtype
     draft_model: str | None = None
@@ -23,10 +22,8 @@ class SpeculativeConfig(BaseModel):
     draft_layers: int | None = Field(None, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(5, ge=1)
-    # dynamic disable: a request stops speculating once it has proposed at least `disable_min_drafts`
-    # tokens with an acceptance rate below `disable_below_acceptance` (default: 0.3, and 0.7 for `draft`,
-    # whose every draft token costs a forward of the draft model: a W4A16 copy of SmolLM2 broke even
-    # at 70% acceptance on CPU, measured in docs/BENCHMARKS.md)
+    # a request stops speculating once it has proposed `disable_min_drafts` tokens at an acceptance rate
+    # below this (default 0.3; 0.7 for `draft`, whose drafts each cost a draft-model forward, BENCHMARKS)
     disable_below_acceptance: float | None = Field(None, ge=0.0, le=1.0)
     disable_min_drafts: int = Field(16, ge=1)
     # no speculation in steps with more running sequences than this (verification would cost more)

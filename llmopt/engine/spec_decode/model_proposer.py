@@ -1,14 +1,9 @@
-"""Drafts from a model: the target's first layers (`layer_skip`) or a separate draft model (`draft`).
+"""Greedy drafts from a model, k passes batched across the speculating sequences.
 
-Both are greedy, k passes batched across the speculating sequences, after a step for the next one
-(the Speculator first takes the KV slots the passes write).
-- `layer_skip`: the target's first layers plus its final norm and head. It shares the target's paged
-  KV pool: its K/V for those layers equal the target's, so it needs no cache of its own and no
-  catch-up (the verification pass overwrites those slots with identical values).
-- `draft`: a separate model with the same tokenizer (for example a W4A16 copy of the target), with its
-  own pool mirroring the target's block tables. `SpecState.draft_computed` records how many tokens it
-  has cached; a round first catches it up (a prefill chunk), then runs k - 1 single-token steps. Only
-  the positions the target accepts stay counted, so rejected ones are recomputed next round.
+- `layer_skip`: the target's first layers plus its norm and head, over the target's own pool (those
+  layers' K/V equal the target's, so no cache of its own and no catch-up).
+- `draft`: a separate model with the same tokenizer, its pool mirroring the target's block tables.
+  `SpecState.draft_computed` is what it has cached; a round first catches up, then runs k - 1 steps.
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ from llmopt.engine.sequence import Sequence
 class ModelProposer:
     def __init__(self, runner: ModelRunner, num_layers: int | None):
         """`num_layers`: run only that many layers of `runner`'s model (layer_skip); None: all (draft)."""
-        self.runner = runner
-        self.num_layers = num_layers
+        self.runner, self.num_layers = runner, num_layers
 
     writes_kv = True  # positions num_tokens-1 .. num_tokens+k-2 of each sequence
 

@@ -1,11 +1,8 @@
 """Speculator: speculative decoding as one component of the step.
 
-As vLLM v1's model runner does, drafts are proposed after a step for the next one (`propose`): each
-running decode gets up to k drafts in `seq.spec.tokens`, and a model proposer first takes the KV slots
-its draft passes write. The scheduler then schedules the last real token plus the drafts (trimmed to
-the step's token budget), the model runner scores them in one pass, and the verifier picks the tokens
-to append; `record` books the outcome: counters, the request's adapted k, and whether it keeps
-speculating.
+As in vLLM v1, drafts are proposed after a step for the next one (`propose`, into `seq.spec.tokens`);
+the scheduler schedules them with the last real token, the runner scores and verifies them in one
+pass, and `record` books the outcome: counters, the request's adapted k, whether it keeps speculating.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner | None, draft_runner: ModelRunner | None,
                  num_layers: int, max_model_len: int, block_manager: BlockManager | None = None):
         """`block_manager` gives the draft passes of a model proposer their KV slots (prompt lookup needs none)."""
-        self.config = config
-        self.max_model_len = max_model_len
-        self.block_manager = block_manager
+        self.config, self.max_model_len, self.block_manager = config, max_model_len, block_manager
         self.counters = SpecCounters(config.max_speculative_tokens or config.num_speculative_tokens)
         if config.method == "ngram":
             self.proposer: NgramProposer | ModelProposer = NgramProposer(config)
@@ -48,7 +43,7 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """After a step: drafts for the next one, for each running decode without any, unless the batch
-        is too large to profit. A sequence the next step leaves out keeps its drafts for the one after."""
+        is too large to profit."""
         if len(running) > self.config.max_batch_size:
             self.counters.skipped_steps += 1
             return
@@ -74,8 +69,7 @@ class Speculator:
         self.proposer.propose(batch)
 
     def discard(self, running: list[Sequence]) -> None:
-        """Drop proposed drafts (speculation was turned off): the sequences decode plainly next step.
-        The draft model's cache stays valid up to the last real token."""
+        """Drop proposed drafts (speculation was turned off); the draft model's cache stays valid."""
         for seq in running:
             seq.spec.tokens = []
             seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)

@@ -1,13 +1,8 @@
-"""The verifier: which drafts the target accepts, and the one token the target adds after them.
+"""The verifier: which drafts the target accepts, and the one token it adds after them.
 
-- Greedy: a draft is accepted iff it equals the target's argmax, so output is token-identical to plain
-  decoding.
-- Sampling: standard rejection sampling (accept x with min(1, p(x)/q(x)), else resample from
-  norm(max(0, p - q))), which leaves the output distribution unchanged. Every proposer is greedy, so
-  q is one-hot on the draft.
-
-Structured outputs stay exact: each scored position is masked with the request's grammar state after
-the drafts before it (`structured_output.draft_masks`).
+Greedy: a draft is accepted iff it is the target's argmax (output identical to plain decoding).
+Sampling: rejection sampling (accept with min(1, p/q), else resample from norm(max(0, p - q))), which
+keeps the output distribution; every proposer is greedy, so q is one-hot on the draft.
 """
 
 from __future__ import annotations
@@ -22,10 +17,8 @@ from llmopt.engine.structured_output import GrammarMatcher, draft_masks
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
            generator: torch.Generator | None, grammar: GrammarMatcher | None = None) -> list[int]:
-    """logits: [len(drafts)+1, V] for the last real token and each draft. Returns the accepted drafts
-    followed by one token chosen by the target (the correction or the bonus token). With a grammar
-    (structured outputs), each position's distribution is the masked one the sampler would draw from,
-    so a draft the grammar refuses has probability 0 and is rejected; output stays exact."""
+    """logits: [len(drafts)+1, V] for the last real token and each draft. Returns the accepted drafts and
+    the target's own token. A grammar masks each position as the sampler would, so output stays exact."""
     if grammar is not None:
         logits = logits.clone()
         draft_masks(grammar, drafts, logits)
