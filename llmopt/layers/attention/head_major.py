@@ -94,16 +94,16 @@ class HeadMajorBackend(AttentionBackend):
 
     def _prefill_chunk(self, tables: list[list[int]], start: int, end: int, quantized: bool) -> PrefillChunk:
         """Tokens start..end-1 of one sequence. A whole context (start 0) attends to its own K/V (no gather
-        unless int8); a later chunk reads the cached context by slot, its causal mask offset by `start`."""
+        unless int8); a later chunk gathers the cached context's blocks, its causal mask offset by `start`."""
         dev = self.device
         if start == 0 and not quantized:
             return PrefillChunk(end, end, [], None)
-        ctx_slots = [torch.tensor(self._slots(t, 0, end), dtype=torch.long, device=dev) for t in tables]
+        blocks = [torch.tensor([t[:-(-end // self.block_size)]], dtype=torch.long, device=dev) for t in tables]
         if start == 0:
-            return PrefillChunk(end, end, ctx_slots, None)
+            return PrefillChunk(end, end, blocks, None)
         q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
         k_pos = torch.arange(end, device=dev).unsqueeze(0)
-        return PrefillChunk(end - start, end, ctx_slots, k_pos <= q_pos)
+        return PrefillChunk(end - start, end, blocks, k_pos <= q_pos)
 
     def decode_groups(self, tables: list[list[list[int]]], ctx_lens: list[int],
                       windows: list[int | None] | None = None) -> list[DecodeGroup]:
@@ -147,7 +147,7 @@ class HeadMajorBackend(AttentionBackend):
             if chunk.mask is None and not pool.quantized:
                 kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
-                kc, vc = pool.read(idx, chunk.slots[g])  # [Hkv, ctx, D]
+                kc, vc = (x[:, 0, :chunk.ctx_len] for x in pool.read_blocks(idx, chunk.blocks[g]))  # [Hkv, ctx, D]
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
             if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
                 outs.append(kernels.call(Ops.COMPILED, causal_attention, q[start:end], kc, vc, layer.scale,

@@ -15,7 +15,7 @@ from llmopt.layers.attention.backend import AttentionMetadata
 class PrefillChunk:
     q_len: int
     ctx_len: int  # cached prefix + this chunk
-    slots: list[torch.Tensor]  # per KV group: [ctx_len] cache slots of the whole context (empty: not read)
+    blocks: list[torch.Tensor]  # per KV group: [1, n] the context's blocks (empty: the chunk's own K/V is read)
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context
 
 

@@ -77,15 +77,6 @@ class PagedKVCache:
     def _dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return (q.float() * scale).to(self.dtype)
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the tokens at `slots` [N] → [num_kv_heads, N, head_dim] in the compute dtype."""
-        k = self.k[layer].index_select(1, slots)
-        v = self.v[layer].index_select(1, slots)
-        if self.quantized:
-            k = self._dequant(k, self.k_scale[layer].index_select(1, slots))
-            v = self._dequant(v, self.v_scale[layer].index_select(1, slots))
-        return k, v
-
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks `blocks` [B, n] → [num_kv_heads, B, n * block_size, head_dim], one
         index_select of block-sized rows per tensor."""
