@@ -58,7 +58,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     resolved = resolve_model(config.model)
     s = resolved.spec
     device = resolve_device(config.device)
-    dtype = compute_dtype(config.dtype, s.dtype, device)
+    dtype = parse_dtype(config.dtype, s.dtype, device)
     model = load_model(resolved, dtype, device)
     wdir = weights_dir(resolved)
     tokenizer = load_tokenizer(wdir)
@@ -130,14 +130,6 @@ def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: t
     return cache, manager, n0, sum(n * size for n, size in zip(counts, sizes, strict=True))
 
 
-def compute_dtype(requested: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype, except fp16 on a CPU (slow there), which runs in fp32."""
-    dtype = parse_dtype(requested, checkpoint)
-    if device.type == "cpu" and dtype == torch.float16 and requested == "auto":
-        return torch.float32
-    return dtype
-
-
 def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
                 device: torch.device) -> tuple[CausalLM, torch.dtype]:
     """The separate draft model and the dtype it runs in; it must share the target's tokenizer."""
@@ -148,7 +140,7 @@ def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
     dtok = load_tokenizer(weights_dir(resolved))
     if dtok.get_vocab() != tokenizer.get_vocab():
         raise LlmoptError(f"draft model {name!r} does not use the target's tokenizer")
-    dtype = compute_dtype(requested_dtype, resolved.spec.dtype, device)
+    dtype = parse_dtype(requested_dtype, resolved.spec.dtype, device)
     return load_model(resolved, dtype, device), dtype
 
 

@@ -61,26 +61,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        progress = None
-        if use_tqdm:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-            progress = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), transient=True)
+        results: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), transient=True, disable=not use_tqdm) as progress:
             task = progress.add_task("generating", total=len(request_ids))
-            progress.start()
-        try:
-            wanted = set(request_ids)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
-                        if progress:
-                            progress.advance(task)
-        finally:
-            if progress:
-                progress.stop()
+                        progress.advance(task)
         return [results[r] for r in request_ids]
 
 
@@ -90,13 +82,10 @@ def stream_text(llm: LLM, prompt: str, params: SamplingParams, chat: bool = Fals
     text = eng.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = eng.tokenizer.encode(text, add_special_tokens=False) if chat else None  # the template has the BOS
     rid = eng.add_request(prompt=text, prompt_token_ids=ids, params=params)
-    final = None
-    while final is None:
-        for out in eng.step():
-            if out.request_id != rid:
-                continue
+    while True:
+        for out in (o for o in eng.step() if o.request_id == rid):
             if out.outputs[0].delta_text:
                 yield out.outputs[0].delta_text
             if out.finished:
-                final = out
-    yield final
+                yield out
+                return

@@ -158,12 +158,10 @@ class ModelRunner:
             tgt = torch.tensor(targets[a:a + PROMPT_LOGPROBS_ROWS], dtype=torch.long, device=lp.device)
             tok_lp = lp.gather(1, tgt.unsqueeze(1))
             ranks = ((lp > tok_lp).sum(dim=1) + 1).tolist()
-            tops = lp.topk(top_n, dim=-1) if top_n else None
+            top_vals, top_ids = (x.tolist() for x in lp.topk(top_n, dim=-1))
             for i, (t, v) in enumerate(zip(tgt.tolist(), tok_lp.squeeze(1).tolist(), strict=True)):
-                d: PromptLogprob = {}
-                if tops is not None:
-                    for j, (tid, tv) in enumerate(zip(tops.indices[i].tolist(), tops.values[i].tolist(), strict=True)):
-                        d[tid] = (tv, j + 1)
+                top = zip(top_ids[i], top_vals[i], strict=True)
+                d: PromptLogprob = {tid: (tv, j + 1) for j, (tid, tv) in enumerate(top)}
                 d[t] = (v, ranks[i])
                 out.append(d)
         return out

@@ -15,7 +15,7 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1  # -1 or 0: disabled
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -65,8 +65,6 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.top_k < -1:
-            raise ValueError("top_k must be -1 (disabled) or positive")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         if any(s == "" for s in self.stop):

@@ -17,12 +17,15 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32") -> torch.dtype:
-    """A dtype name (or `auto`: the checkpoint's) as a torch dtype."""
+def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32", device: torch.device | None = None
+                ) -> torch.dtype:
+    """A dtype name as a torch dtype. `auto` takes the checkpoint's, except fp16 on a CPU `device` (slow
+    there), which runs in fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return _DTYPES.get(spec_dtype, torch.float32)
+        auto = _DTYPES.get(spec_dtype, torch.float32)
+        return torch.float32 if auto == torch.float16 and device is not None and device.type == "cpu" else auto
     if dtype not in _DTYPES:
         raise LlmoptError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]

@@ -59,12 +59,9 @@ class ModelSpec(BaseModel):
         cfg = _text_config(cfg)
         entry = registry.lookup(cfg)
         model_type = str(cfg.get("model_type") or entry.model_type)
+        required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            layers = int(cfg["num_hidden_layers"])
-            inter = int(cfg["intermediate_size"])
-            vocab = int(cfg["vocab_size"])
+            hidden, heads, layers, inter, vocab = (int(cfg[k]) for k in required)
         except KeyError as e:
             raise LlmoptError(f"config.json lacks required key {e.args[0]!r}") from None
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -84,15 +81,13 @@ class ModelSpec(BaseModel):
             rope = rope.get("full_attention") or {}
             default_theta = 1_000_000.0 if model_type == "gemma3_text" else default_theta
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", default_theta)))
-        scaling = cfg.get("rope_scaling")
-        if rope and rope.get("rope_type", "default") != "default":
+        scaling = cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "linear"):
-                raise LlmoptError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in (None, "default", "linear", "llama3"):
+            raise LlmoptError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        scaling = scaling if kind in ("linear", "llama3") else None
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
