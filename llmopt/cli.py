@@ -70,7 +70,7 @@ def vram_plan(
         gpu_memory_bytes=parse_bytes(gpu_memory),
         num_gpus=num_gpus,
     )
-    plan = plan_vram(resolved.spec, opts, model_name=resolved.name)
+    plan = plan_vram(resolved.spec, opts, model_name=resolved.source)
     if as_json:
         _print_json(plan.to_json())
     else:

@@ -9,6 +9,7 @@ query can see are given back as the sequence advances (their table entries stay,
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from llmopt.engine.sequence import BlockTable, Sequence
 
@@ -17,14 +18,12 @@ from llmopt.engine.sequence import BlockTable, Sequence
 NO_BLOCK = 0
 
 
+@dataclass(slots=True, eq=False)
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # the chained hash of a full block in the prefix cache
+    token_ids: tuple[int, ...] | None = None
 
 
 class BlockManager:

@@ -68,8 +68,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # a checkpoint with calibrated INT8 KV scales (llmopt quantize --kv-cache int8) defaults to an int8 cache
     kv_scales = kv_cache_scales(resolved)
     kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-    bs = config.block_size
-    attn = get_backend(device, bs, not config.enforce_eager)
+    attn = get_backend(device, config.block_size, not config.enforce_eager)
     sc = config.speculative
     draft, draft_dtype, draft_bytes = None, None, 0
     if sc is not None and sc.method == "draft":
@@ -86,7 +85,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                                              draft is not None)
     if kv_scales is not None and kv_cache.quantized:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
-    max_model_len = min(config.max_model_len or s.max_position_embeddings, s.max_position_embeddings, num_blocks * bs)
+    max_len = min(config.max_model_len or s.max_position_embeddings, s.max_position_embeddings)
+    max_model_len = min(max_len, num_blocks * config.block_size)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           config.enable_chunked_prefill, config.scheduling_policy)
     runner = ModelRunner(model, kv_cache, attn)
@@ -167,12 +167,7 @@ def _num_blocks(c: EngineConfig, spec: ModelSpec, device: torch.device, per_bloc
 
 def eos_ids(directory, tokenizer, spec_eos: list[int]) -> list[int]:
     """End-of-sequence ids from the model spec, generation_config.json and the tokenizer."""
-    ids: list[int] = list(spec_eos)
     gen = directory / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids.extend(eos if isinstance(eos, list) else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    ids = [*spec_eos, *(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id]
+    return sorted({int(i) for i in ids if i is not None})

@@ -10,17 +10,6 @@ from llmopt.engine.llm_engine import LLMEngine, RequestError
 from llmopt.engine.outputs import RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
 
-PromptLike = str | list[int] | dict[str, Any]
-
-
-def _normalize_prompts(prompts) -> list[PromptLike]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one list of token ids
-    return prompts
-
 
 class LLM:
     """`LLM("smollm2-135m", dtype="float32", max_num_seqs=64, enable_prefix_caching=True)`."""
@@ -34,7 +23,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs keep the input order."""
-        items = _normalize_prompts(prompts)
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if items and isinstance(items[0], int):
+            items = [items]  # one list of token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(items)
         else:

@@ -24,6 +24,7 @@ class ModelInput:
     spec_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     # (sequence, first row, first position, count): rows whose logits score the next prompt token
     prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # the scheduled index of each run of rows, in row order
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 

@@ -28,8 +28,8 @@ PromptLogprob = dict[int, tuple[float, int]]
 
 @dataclass
 class StepResult:
-    # per sequence that gained tokens: the tokens to append and their logprobs (None where not asked
-    # for). A speculating sequence gains its accepted drafts plus the target's own token.
+    # per sequence that gained tokens: the tokens to append (a speculating one: its accepted drafts and
+    # the target's own token) and their logprobs (None where not asked for)
     new_tokens: list[tuple[Sequence, list[int], list[dict[int, float] | None]]]
     prepare_time: float
     forward_time: float
@@ -45,82 +45,63 @@ class ModelRunner:
         """`cache`: the KV pool `attn_backend` made, in its layout."""
         self.model, self.cache, self.attn_backend, self.device = model, cache, attn_backend, attn_backend.device
 
-    def _layout(self, chunks: list[tuple[list[int], int, list[int]]], decodes: list[tuple[list[int], int, int]],
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and the backend's attention metadata: `chunks` (block table, start,
-        tokens) run as prefill chunks, then `decodes` (block table, position, token)."""
-        ids = [t for _, _, toks in chunks for t in toks] + [tok for _, _, tok in decodes]
-        pos = [p for _, start, toks in chunks for p in range(start, start + len(toks))] + [c for _, c, _ in decodes]
-        meta = self.attn_backend.build_metadata(self.cache, [(t, start, start + len(toks)) for t, start, toks in chunks],
-                                                [(t, c) for t, c, _ in decodes])
-        dev = self.device
-        return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
+    def _layout(self, items: list[tuple[list[list[int]], int, list[int]]],
+                ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The row order, input ids, positions and the backend's attention metadata of a pass over `items`
+        (block tables, first position, tokens). Multi-token runs go first as prefill chunks, in input order,
+        then single tokens as decodes by decreasing context, so decode groups of similar lengths are
+        consecutive rows. `order[j]`: the item of the j-th run of rows."""
+        order = ([i for i, it in enumerate(items) if len(it[2]) > 1]
+                 + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
+        runs = [items[i] for i in order]
+        ids = [t for _, _, toks in runs for t in toks]
+        pos = [p for _, start, toks in runs for p in range(start, start + len(toks))]
+        meta = self.attn_backend.build_metadata(
+            self.cache, [(t, start, start + len(toks)) for t, start, toks in runs if len(toks) > 1],
+            [(t, start) for t, start, toks in runs if len(toks) == 1])
+        ids_t, pos_t = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (ids, pos))
+        return order, ids_t, pos_t, meta
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
         """One scheduled step's model input: sampled rows, a speculating sequence's rows (its last real
         token and each draft) and the rows that score a prompt for prompt_logprobs."""
-        prefills = [(s, n) for s, n in scheduled if n > 1]
-        # longest context first, so that decode groups of similar lengths are consecutive rows
-        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda sn: -sn[0].num_computed_tokens)
-        logit_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        spec_rows: list[tuple[Sequence, list[int]]] = []
-        prompt_rows: list[tuple[Sequence, int, int, int]] = []
-        chunks = []
-        row = 0  # the first row of the sequence at hand
-        for seq, n in prefills + decodes:
+        items = []
+        for seq, n in scheduled:  # a speculating sequence computes its last real token, then its drafts
             c = seq.num_computed_tokens
-            drafts = seq.spec.tokens
-            if n > 1:
-                chunks.append((seq.block_tables, c, (seq.token_ids + drafts if drafts else seq.token_ids)[c:c + n]))
+            toks = seq.token_ids[c:c + n]
+            items.append((seq.block_tables, c, toks + seq.spec.tokens[:n - len(toks)]))
+        order, ids, pos, meta = self._layout(items)
+        inp = ModelInput(ids, pos, meta, [], order=order, num_prefill_tokens=meta.num_prefill_tokens,
+                         num_decode_tokens=len(ids) - meta.num_prefill_tokens)
+        row = 0  # the first row of the sequence at hand
+        for seq, n in (scheduled[i] for i in order):
+            c = seq.num_computed_tokens
             last = min(c + n, seq.num_prompt_tokens - 1)  # position p's logits score prompt token p + 1
             if seq.params.prompt_logprobs is not None and last > c:
-                prompt_rows.append((seq, row, c, last - c))
-            if drafts:
-                spec_rows.append((seq, list(range(row, row + n))))
+                inp.prompt_rows.append((seq, row, c, last - c))
+            if seq.spec.tokens:
+                inp.spec_rows.append((seq, list(range(row, row + n))))
             elif c + n == seq.num_tokens:
-                logit_rows.append(row + n - 1)
-                sample_seqs.append(seq)
+                inp.logits_indices.append(row + n - 1)
+                inp.sample_seqs.append(seq)
             row += n
-        ids, pos, meta = self._layout(chunks, [(s.block_tables, s.num_computed_tokens, s.token_ids[s.num_computed_tokens])
-                                               for s, _ in decodes])
-        return ModelInput(ids, pos, meta, logit_rows, sample_seqs, spec_rows, prompt_rows, meta.num_prefill_tokens,
-                          len(decodes))
+        return inp
 
     def forward(self, inp: ModelInput, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of one prepared pass; writes its K/V into the cache."""
-        if num_layers is None:
-            return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata)
         return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata, num_layers=num_layers)
 
     @torch.inference_mode()
-    def greedy_next(self, items: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> list[int]:
+    def greedy_next(self, items: list[tuple[list[list[int]], int, list[int]]], num_layers: int | None = None
+                    ) -> list[int]:
         """Draft proposals: for each (block tables, start, tokens), run `tokens` at positions start.. over
         the cached context, write their K/V and return the argmax after the last one. `num_layers`: only
         the first layers plus norm and head (layer_skip; the verification pass rewrites the same slots)."""
-        inp = self._prepare_draft(items)
-        hidden = self.forward(inp, num_layers)
-        rows = torch.tensor(inp.logits_indices, device=hidden.device)
-        picked = argmax(self.model.compute_logits(hidden[rows])).tolist()
-        out = [0] * len(items)
-        for i, t in zip(self._draft_order(items), picked, strict=True):
-            out[i] = t
-        return out
-
-    @staticmethod
-    def _draft_order(items: list[tuple[list[int], int, list[int]]]) -> list[int]:
-        """Multi-token runs first, then single tokens by decreasing context (prepare's layout)."""
-        return ([i for i, it in enumerate(items) if len(it[2]) > 1]
-                + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
-
-    def _prepare_draft(self, items: list[tuple[list[int], int, list[int]]]) -> ModelInput:
-        order = self._draft_order(items)
-        chunks = [items[i] for i in order if len(items[i][2]) > 1]
-        decodes = [(items[i][0], items[i][1], items[i][2][0]) for i in order if len(items[i][2]) == 1]
-        ids, pos, meta = self._layout(chunks, decodes)
-        rows = list(itertools.accumulate(len(items[i][2]) for i in order))
-        return ModelInput(ids, pos, meta, [r - 1 for r in rows], num_prefill_tokens=meta.num_prefill_tokens,
-                          num_decode_tokens=len(decodes))
+        order, ids, pos, meta = self._layout(items)
+        last = [end - 1 for end in itertools.accumulate(len(items[i][2]) for i in order)]  # each run's last row
+        hidden = self.forward(ModelInput(ids, pos, meta, last), num_layers)
+        picked = argmax(self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])).tolist()
+        return [t for _, t in sorted(zip(order, picked, strict=True))]  # back in input order
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:

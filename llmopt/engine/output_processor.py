@@ -36,7 +36,6 @@ class OutputProcessor:
         seq.output_text += delta
         if n_out >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
-                seq.stop_reason = None
                 return "stop"
             if token in p.stop_token_ids:
                 seq.stop_reason = token
@@ -44,13 +43,13 @@ class OutputProcessor:
             if p.stop and self._check_stop_strings(seq, before):
                 return "stop"
         if seq.grammar is not None and seq.grammar.is_terminated:  # the constrained output is complete
-            seq.output_text += detokenize_step(self.tokenizer, seq, p.skip_special_tokens, final=True)
-            seq.stop_reason = None
-            return "stop"
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            seq.output_text += detokenize_step(self.tokenizer, seq, p.skip_special_tokens, final=True)
-            return "length"
-        return None
+            reason = "stop"
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        else:
+            return None
+        seq.output_text += detokenize_step(self.tokenizer, seq, p.skip_special_tokens, final=True)
+        return reason
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, before: int) -> bool:
@@ -71,12 +70,9 @@ class OutputProcessor:
         text = seq.output_text
         if seq.is_finished or not seq.params.stop or seq.params.include_stop_str_in_output:
             return text
-        hold = 0
-        for stop in seq.params.stop:
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    hold = max(hold, k)
-                    break
+        # the longest tail that is a proper prefix of some stop string
+        hold = max((k for stop in seq.params.stop for k in range(1, min(len(stop) - 1, len(text)) + 1)
+                    if text.endswith(stop[:k])), default=0)
         return text[:len(text) - hold] if hold else text
 
     def make_output(self, req: Request) -> RequestOutput:

@@ -37,10 +37,6 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob} top-n + chosen
     delta_text: str = ""  # text added since the previous output of this request (streaming)
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:

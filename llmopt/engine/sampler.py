@@ -55,8 +55,7 @@ def sample(logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[
     if g_rows:
         logits = logits.clone()
         mask_rows(logits, g_rows, [rows[i].grammar for i in g_rows])
-    want_logprobs = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     if any(_needs_processing(r.params, r.num_output_tokens) for r in rows):
         logits = logits if g_rows else logits.clone()
         _apply_penalties(logits, rows)
@@ -72,14 +71,11 @@ def sample(logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[
     token_ids = chosen.tolist()
     out_lp: list[dict[int, float] | None] = []
     for i, r in enumerate(rows):
-        if not want_logprobs[i]:
+        if r.params.logprobs is None:
             out_lp.append(None)
             continue
-        n = r.params.logprobs or 0
-        d: dict[int, float] = {}
-        if n:
-            vals, ids = raw_logprobs[i].topk(n)
-            d.update(zip(ids.tolist(), vals.tolist(), strict=True))
+        vals, ids = raw_logprobs[i].topk(r.params.logprobs)
+        d = dict(zip(ids.tolist(), vals.tolist(), strict=True))
         d[token_ids[i]] = float(raw_logprobs[i, token_ids[i]])
         out_lp.append(d)
     return token_ids, out_lp

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.sequence import Sequence, SequenceStatus
 
-POLICIES = ("fcfs", "priority")
-
 
 @dataclass
 class SchedulerOutput:
@@ -30,18 +28,16 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs"):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}")
+        """`policy`: "fcfs" or "priority" (EngineConfig.scheduling_policy, validated there)."""
         self.bm, self.policy, self.enable_chunked_prefill = block_manager, policy, enable_chunked_prefill
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = self._reported_preemptions = 0
 
-    def _key(self, seq: Sequence):
-        if self.policy == "priority":
-            return (seq.priority, seq.arrival_order)
-        return (seq.arrival_order,)
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        """Policy order: arrival (fcfs), or priority first (lower runs first), then arrival."""
+        return (seq.priority if self.policy == "priority" else 0, seq.arrival_order)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -45,12 +45,10 @@ def iter_logits(engine: LLMEngine, sequences: list[list[int]],
             total += len(ids)
             i += 1
         try:
-            scheduled = [(seq, seq.num_tokens) for _, seq in batch]
-            hidden = engine.runner.forward(engine.runner.prepare(scheduled))
+            inp = engine.runner.prepare([(seq, seq.num_tokens) for _, seq in batch])
+            hidden = engine.runner.forward(inp)
             start = 0
-            # prepare() lays out multi-token chunks first, then 1-token ones, each group in input order
-            order = [b for b in batch if b[1].num_tokens > 1] + [b for b in batch if b[1].num_tokens == 1]
-            for idx, seq in order:
+            for idx, seq in (batch[i] for i in inp.order):  # in row order
                 n = seq.num_tokens
                 yield idx, engine.model.compute_logits(hidden[start:start + n])
                 start += n

@@ -22,7 +22,7 @@ class SequenceStatus(enum.Enum):
 _counter = itertools.count()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class BlockTable:
     """A sequence's blocks in one KV group (see block_manager.py): the table, how many leading entries
     are in the prefix cache, and how many were given back after leaving a sliding window."""

@@ -50,7 +50,7 @@ def evaluate_task_lmeval(model: str | None, task: Task, limit: int | None = None
 
     resolved = resolve_model(model)
     if resolved.quantization_config is not None:
-        raise LlmoptError(f"{resolved.name}: lm-eval cannot run quantized checkpoints "
+        raise LlmoptError(f"{resolved.source}: lm-eval cannot run quantized checkpoints "
                           f"({resolved.quantization_config.get('quant_method')}); use --harness llmopt")
     directory = weights_dir(resolved)
     torch_dtype = parse_dtype(dtype, resolved.spec.dtype)

@@ -4,6 +4,8 @@ projection, so quantized modules are plain module swaps and model code never cha
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -14,11 +16,8 @@ class FusedLinear(nn.Linear):
     def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):
         super().__init__(in_features, sum(output_sizes.values()), bias=bias, dtype=dtype, device=device)
-        self.output_splits: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in output_sizes.items():
-            self.output_splits[name] = (start, start + size)
-            start += size
+        ends = itertools.accumulate(output_sizes.values())  # each part's rows end where the next begin
+        self.output_splits = {n: (e - s, e) for (n, s), e in zip(output_sizes.items(), ends, strict=True)}
 
 
 def output_splits(module: nn.Module) -> dict[str, tuple[int, int]] | None:

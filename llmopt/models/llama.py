@@ -114,7 +114,6 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        # one cos/sin table for all layers (a non-persistent buffer, not in the checkpoint)
         self.rotary = self.build_rotary(device)
         self.layers = nn.ModuleList(self.decoder_layer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype, device)

@@ -53,10 +53,6 @@ class ResolvedModel:
         q = self.config.get("quantization_config")
         return q if isinstance(q, dict) and q.get("quant_method") != "gguf" else None
 
-    @property
-    def name(self) -> str:
-        return self.source
-
 
 def _alias_path(alias: str) -> Path:
     a = ALIASES[alias]

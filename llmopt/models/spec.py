@@ -151,19 +151,14 @@ class ModelSpec(BaseModel):
     def linear_shapes(self, layer: int = 0) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of every quantizable Linear of layer `layer`, unfused llama names
         (experts as `mlp.experts.N.*`); routers stay float and are in `layer_router_params`."""
-        h, i = self.hidden_size, self.intermediate_size
-        shapes = {
-            "self_attn.q_proj": (self.q_size, h),
-            "self_attn.k_proj": (self.kv_size, h),
-            "self_attn.v_proj": (self.kv_size, h),
-            "self_attn.o_proj": (h, self.q_size),
-        }
-        if not self.is_moe_layer(layer):
-            shapes.update({"mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)})
-            return shapes
-        mlps = [(f"mlp.experts.{e}", self.moe_intermediate_size) for e in range(self.num_experts)]
-        if self.shared_expert_intermediate_size:
-            mlps.append(("mlp.shared_expert", self.shared_expert_intermediate_size))
+        h = self.hidden_size
+        shapes = {"self_attn.q_proj": (self.q_size, h), "self_attn.k_proj": (self.kv_size, h),
+                  "self_attn.v_proj": (self.kv_size, h), "self_attn.o_proj": (h, self.q_size)}
+        mlps = [("mlp", self.intermediate_size)]  # (prefix, width) of each gated MLP
+        if self.is_moe_layer(layer):
+            mlps = [(f"mlp.experts.{e}", self.moe_intermediate_size) for e in range(self.num_experts)]
+            if self.shared_expert_intermediate_size:
+                mlps.append(("mlp.shared_expert", self.shared_expert_intermediate_size))
         for prefix, m in mlps:
             shapes.update({f"{prefix}.gate_proj": (m, h), f"{prefix}.up_proj": (m, h), f"{prefix}.down_proj": (h, m)})
         return shapes

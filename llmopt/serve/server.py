@@ -100,7 +100,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, model_name: st
         from llmopt.serve.semantic_cache import embedder_dir
 
         embedder_dir()  # and on a missing embedding model
-    name = config.served_model_name or model_name or engine_config.model or resolved.name
+    name = config.served_model_name or model_name or engine_config.model or resolved.source
     warning = bind_warning(config.host, config.api_keys)
     if warning:
         log.warning(warning)

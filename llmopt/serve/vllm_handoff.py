@@ -93,7 +93,7 @@ def _plan_parallel(resolved: ResolvedModel, opts: VllmOptions, weight: str, note
                             seq_len=opts.max_model_len or spec.max_position_embeddings, batch=opts.max_num_seqs or 1,
                             gpu_memory_bytes=opts.gpu_memory_bytes, num_gpus=opts.num_gpus,
                             max_num_batched_tokens=opts.max_num_batched_tokens or 2048)
-    plan = plan_vram(spec, popts, model_name=resolved.name)
+    plan = plan_vram(spec, popts, model_name=resolved.source)
     if plan.parallel is None:
         if not plan.fits:
             notes.append("the memory plan does not fit one GPU at these settings (see `llmopt vram-plan`); "
@@ -116,7 +116,7 @@ def build_vllm_command(model: str | None, opts: VllmOptions) -> VllmCommand:
         notes.append(note)
     notes += deployment_notes(path)
     argv = ["vllm", "serve", path, "--host", opts.host, "--port", str(opts.port),
-            "--served-model-name", opts.served_model_name or model or resolved.name]
+            "--served-model-name", opts.served_model_name or model or resolved.source]
     dtype = _DTYPES.get(opts.dtype)
     if dtype is None:
         raise LlmoptError(f"unknown --dtype {opts.dtype!r}; choose one of {', '.join(_DTYPES)}")

@@ -32,9 +32,8 @@ class SpeculativeConfig(BaseModel):
     @property
     def min_acceptance(self) -> float:
         """The acceptance rate below which a request stops speculating."""
-        if self.disable_below_acceptance is not None:
-            return self.disable_below_acceptance
-        return 0.7 if self.method == "draft" else 0.3
+        default = 0.7 if self.method == "draft" else 0.3
+        return default if self.disable_below_acceptance is None else self.disable_below_acceptance
 
     @model_validator(mode="after")
     def _draft(self) -> SpeculativeConfig:

@@ -21,13 +21,11 @@ class ModelProposer:
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> None:
         """k greedy drafts per (sequence, k), into `seq.spec.tokens`."""
-        if not batch:
-            return
         seqs = [s for s, _ in batch]
         for s, k in batch:
             s.spec.tokens = [0] * k
         own_cache = self.num_layers is None
-        for j in range(max(len(s.spec.tokens) for s in seqs)):
+        for j in range(max((k for _, k in batch), default=0)):
             active = [s for s in seqs if len(s.spec.tokens) > j]
             items = []
             for s in active:

@@ -18,9 +18,10 @@ from llmopt.engine.spec_decode.state import SpecCounters
 
 
 def spec_eligible(params: SamplingParams) -> bool:
-    """Requests whose per-token processing depends on the previous token stay on the plain path."""
+    """Requests whose per-token processing depends on the previous token stay on the plain path, and so do
+    biased ones (verification draws from the unbiased distribution)."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.min_tokens == 0)
+            and params.frequency_penalty == 0.0 and params.min_tokens == 0 and not params.logit_bias)
 
 
 class Speculator:
@@ -50,8 +51,7 @@ class Speculator:
         batch: list[tuple[Sequence, int]] = []
         for seq in running:
             if (seq.spec.tokens or seq.spec.disabled or seq.num_computed_tokens != seq.num_tokens - 1
-                    or not spec_eligible(seq.params)
-                    or seq.params.logit_bias):  # verification draws from the unbiased distribution
+                    or not spec_eligible(seq.params)):
                 continue
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
@@ -60,11 +60,9 @@ class Speculator:
             if k <= 0:
                 continue
             if self.proposer.writes_kv:  # draft passes write positions num_tokens-1 .. num_tokens+k-2
-                bm = self.block_manager
-                assert bm is not None
-                if not bm.can_append(seq, k):
+                if not self.block_manager.can_append(seq, k):
                     continue
-                bm.append(seq, k)
+                self.block_manager.append(seq, k)
             batch.append((seq, k))
         self.proposer.propose(batch)
 

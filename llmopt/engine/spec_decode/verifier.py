@@ -24,13 +24,8 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
         draft_masks(grammar, drafts, logits)
     if params.greedy:
         target = argmax(logits).tolist()
-        out = []
-        for i, d in enumerate(drafts):
-            if d != target[i]:
-                break
-            out.append(d)
-        out.append(target[len(out)])
-        return out
+        n = next((i for i, d in enumerate(drafts) if d != target[i]), len(drafts))  # drafts accepted
+        return drafts[:n] + [target[n]]
     probs = processed_probs(logits, params)
     out = []
     for i, d in enumerate(drafts):

@@ -7,9 +7,8 @@ from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache
 from llmopt.layers.attention.head_major import HeadMajorBackend
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
 from llmopt.layers.attention.layer import PagedAttention
-from llmopt.layers.attention.paged_kv_cache import KV_DTYPES, PagedKVCache
+from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 from llmopt.layers.attention.registry import BACKENDS, get_backend
 
-__all__ = ["BACKENDS", "KV_DTYPES", "AttentionBackend", "AttentionMetadata", "DecodeGroup", "GroupedKVCache",
-           "HeadMajorBackend",
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "DecodeGroup", "GroupedKVCache", "HeadMajorBackend",
            "HeadMajorMetadata", "PagedAttention", "PagedKVCache", "PrefillChunk", "get_backend"]

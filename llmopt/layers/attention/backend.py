@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from llmopt.layers import kernels
+from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache
 from llmopt.layers.kernels import Ops
 
 if TYPE_CHECKING:
@@ -51,11 +52,14 @@ class AttentionBackend(ABC):
                    kv_cache_dtype: str = "auto"):
         """The KV pool in this backend's layout."""
 
-    @abstractmethod
     def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                           windows: list[int | None] | None = None):
-        """A pool per KV group g: `num_blocks[g]` blocks for `layer_groups[g]`, sliding over `windows[g]`."""
+                           windows: list[int | None] | None = None) -> GroupedKVCache:
+        """A `make_cache` pool per KV group g: `num_blocks[g]` blocks for `layer_groups[g]`, sliding over
+        `windows[g]` (models that mix full and sliding layers)."""
+        pools = [self.make_cache(len(layers), n, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+                 for layers, n in zip(layer_groups, num_blocks, strict=True)]
+        return GroupedKVCache(pools, layer_groups, windows)
 
     @abstractmethod
     def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from llmopt.layers import kernels
 from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, PrefillItem
-from llmopt.layers.attention.grouped_kv_cache import GroupedKVCache
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
 from llmopt.layers.attention.layer import PagedAttention
 from llmopt.layers.attention.paged_decode_kernel import PagedDecodeKernel
@@ -61,12 +60,6 @@ class HeadMajorBackend(AttentionBackend):
     def make_cache(self, num_layers, num_blocks, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto"):
         return PagedKVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype, self.device,
                             kv_cache_dtype)
-
-    def make_grouped_cache(self, layer_groups: list[list[int]], num_blocks: list[int], num_kv_heads, head_dim, dtype,
-                           kv_cache_dtype="auto", windows: list[int | None] | None = None) -> GroupedKVCache:
-        pools = [self.make_cache(len(layers), n, num_kv_heads, head_dim, dtype, kv_cache_dtype)
-                 for layers, n in zip(layer_groups, num_blocks, strict=True)]
-        return GroupedKVCache(pools, layer_groups, windows)
 
     def bytes_per_block(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto") -> int:
         return PagedKVCache.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPES = ("auto", "int8")
-
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto"):
-        if kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
+        """`kv_cache_dtype`: "auto" (the compute dtype) or "int8" (validated by EngineConfig)."""
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype  # compute dtype the cache returns
