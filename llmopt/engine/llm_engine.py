@@ -203,10 +203,9 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         if all(s.is_finished for s in req.seqs):
             req.finished = True
-            for s in req.seqs:
-                self._pending_finished.append(FinishedRequest(req.request_id, s.finish_reason or reason,
-                                                              s.num_prompt_tokens, s.num_output_tokens,
-                                                              s.metrics))
+            self._pending_finished += [FinishedRequest(req.request_id, s.finish_reason or reason,
+                                                       s.num_prompt_tokens, s.num_output_tokens, s.metrics)
+                                       for s in req.seqs]
 
     def _report(self, sched: SchedulerOutput, res: StepResult | None, t0: float, t1: float, t2: float,
                 new_tokens: list[tuple[str, float]], finished: list[FinishedRequest]) -> None:

@@ -41,9 +41,7 @@ class SamplingParams(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v):
-        if v is None:
-            return []
-        return [v] if isinstance(v, str) else v
+        return [] if v is None else [v] if isinstance(v, str) else v
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty")

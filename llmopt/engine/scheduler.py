@@ -36,8 +36,8 @@ class Scheduler:
         self.num_preemptions = self._reported_preemptions = 0
 
     def _key(self, seq: Sequence) -> tuple[int, int]:
-        """Policy order: arrival (fcfs), or priority first (lower runs first), then arrival."""
-        return (seq.priority if self.policy == "priority" else 0, seq.arrival_order)
+        """Policy order: arrival (fcfs; sequence ids count up), or priority first (lower runs first)."""
+        return (seq.priority if self.policy == "priority" else 0, seq.seq_id)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -48,7 +48,7 @@ def iter_logits(engine: LLMEngine, sequences: list[list[int]],
             inp = engine.runner.prepare([(seq, seq.num_tokens) for _, seq in batch])
             hidden = engine.runner.forward(inp)
             start = 0
-            for idx, seq in (batch[i] for i in inp.order):  # in row order
+            for idx, seq in (batch[j] for j in inp.order):  # in row order
                 n = seq.num_tokens
                 yield idx, engine.model.compute_logits(hidden[start:start + n])
                 start += n

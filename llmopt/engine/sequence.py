@@ -49,7 +49,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.priority = priority
-        self.arrival_order = self.seq_id
         self.eos_token_ids = eos_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None

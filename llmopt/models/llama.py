@@ -36,9 +36,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.qkv_proj = FusedLinear(spec.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                       "v_proj": self.kv_size},
-                                    bias=spec.attention_bias, dtype=dtype, device=device)
+        sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+        self.qkv_proj = FusedLinear(spec.hidden_size, sizes, bias=spec.attention_bias, dtype=dtype, device=device)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
         if spec.qk_norm:
             self.q_norm = self.norm_class(self.head_dim, spec.rms_norm_eps, dtype, device)
@@ -66,13 +65,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, spec: ModelSpec, dtype, device, act=silu_and_mul):
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.act = act
-        self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": spec.intermediate_size,
-                                                           "up_proj": spec.intermediate_size},
-                                        bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype,
-                                   device=device)
+        h, i = spec.hidden_size, spec.intermediate_size
+        self.intermediate_size, self.act = i, act
+        self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
 
     def forward(self, x, ops: Ops = Ops.EAGER):
         return self.down_proj(kernels.call(ops, self.act, self.gate_up_proj(x), self.intermediate_size))

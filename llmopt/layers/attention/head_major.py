@@ -64,17 +64,13 @@ class HeadMajorBackend(AttentionBackend):
     def bytes_per_block(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto") -> int:
         return PagedKVCache.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
 
-    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
     def build_metadata(self, cache, prefills: list[PrefillItem], decodes: list[DecodeItem]) -> HeadMajorMetadata:
         """Each item carries one block table per KV group (`cache.num_groups` of them are read)."""
-        n_groups = cache.num_groups
-        slots: list[list[int]] = [[] for _ in range(n_groups)]
+        n_groups, bs = cache.num_groups, self.block_size
+        slots: list[list[int]] = [[] for _ in range(n_groups)]  # per KV group: each new token's pool slot
         for tables, start, end in [*prefills, *((t, pos, pos + 1) for t, pos in decodes)]:
             for g in range(n_groups):
-                slots[g].extend(self._slots(tables[g], start, end))
+                slots[g].extend(tables[g][p // bs] * bs + p % bs for p in range(start, end))
         chunks = [self._prefill_chunk(t[:n_groups], s, e, cache.quantized) for t, s, e in prefills]
         num_prefill = sum(e - s for _, s, e in prefills)
         mappings = [torch.tensor(s, dtype=torch.long, device=self.device) for s in slots]
