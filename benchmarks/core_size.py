@@ -63,7 +63,7 @@ def main() -> None:
     core_now = sum(n for f, n in now.items() if f not in OTHER_ISSUES_FILES)
     print(f"engine + layers + models at {args.base}: {base} lines; at HEAD: {sum(now.values())}")
     print(f"  in files later issues created: {sum(now.values()) - core_now}")
-    print(f"  in the core's files: {core_now} = {base} + {ours} (#16's commits) + {others} (other issues')")
+    print(f"  in the core's files: {core_now} = {base} {ours:+d} (#16's commits) {others:+d} (other issues')")
     print(f"like for like: {base + ours} (target: under 2,784); llm_engine.py: "
           f"{now.get('llmopt/engine/llm_engine.py', 0)} lines (target: under 250)")
 
