@@ -35,6 +35,11 @@ def has_native(fn: Callable) -> Callable:
     return fn
 
 
+def available() -> bool:
+    """False once a compilation has failed in this process."""
+    return not _broken
+
+
 def call(ops: Ops, fn: Callable, *args):
     """`fn(*args)`, run by the implementation `ops` names where it has one for `fn` and these args."""
     if ops is Ops.NATIVE:
@@ -59,5 +64,5 @@ def choose(dtype: torch.dtype, device: torch.device, num_tokens: int) -> Ops:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return Ops.EAGER
     if num_tokens >= MIN_TOKENS:
-        return Ops.EAGER if _broken else Ops.COMPILED  # eager for good once a compilation failed here
+        return Ops.COMPILED if available() else Ops.EAGER
     return Ops.NATIVE if dtype == torch.bfloat16 else Ops.EAGER

@@ -1,7 +1,8 @@
 """Dense bf16/fp16 CPU projections with the weight packed once (decode reads every weight per token, and
 CPU `F.linear` is far from memory speed at a few rows): our kernel (`bf16_linear.c`) over VNNI pairs for
 bf16 with AVX512-BF16, else oneDNN's blocked layout. Both sum in float32 and round once; fp32 is never
-packed, so greedy fp32 output stays token-identical to transformers."""
+packed, so greedy fp32 output stays token-identical to transformers. A tied lm_head gets a packed copy and
+the embedding keeps the plain weight for lookups, as vLLM does (one more vocab x hidden matrix in memory)."""
 
 from __future__ import annotations
 

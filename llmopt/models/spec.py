@@ -128,9 +128,8 @@ class ModelSpec(BaseModel):
 
     def attention_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full causal attention)."""
-        if self.layer_types and self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @property
     def kv_groups(self) -> list[tuple[int | None, tuple[int, ...]]]:
@@ -168,9 +167,8 @@ class ModelSpec(BaseModel):
 
     def layer_router_params(self, layer: int = 0) -> int:
         """The router (experts x hidden) and the shared-expert gate (1 x hidden) of a sparse layer."""
-        if not self.is_moe_layer(layer):
-            return 0
-        return self.hidden_size * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))
+        gates = self.num_experts + (1 if self.shared_expert_intermediate_size else 0)
+        return self.hidden_size * gates if self.is_moe_layer(layer) else 0
 
     def layer_norm_params(self) -> int:
         """Norm weights of one decoder layer: the hidden-size norms and the per-head q/k norms."""

@@ -164,7 +164,7 @@ def _prefill_sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: to
     """q [q_len, H, D]; k, v [Hkv, ctx, D]; mask [q_len, ctx] or None (plain causal) -> [q_len, H*D]."""
     qc, kc, vc = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # [1, heads, len, D]
     o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
-                                       enable_gqa=layer.gqa)
+                                       enable_gqa=layer.num_heads != layer.num_kv_heads)
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
