@@ -1,5 +1,4 @@
-"""ModelInput: what one forward pass consumes (`ModelRunner.prepare`), read by name by the step, the
-draft proposers and scoring."""
+"""ModelInput: what one forward pass consumes, read by name by the step, the draft proposers and scoring."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ from llmopt.layers.kernels import Ops
 if TYPE_CHECKING:
     from llmopt.layers.attention.layer import PagedAttention
 
-# one prefill chunk as scheduled: (the sequence's block table per KV group, first position, end position);
-# the chunk's tokens are positions first..end-1 and it attends to positions 0..end-1
+# one prefill chunk: (block table per KV group, first, end): tokens first..end-1, attending to 0..end-1
 PrefillItem = tuple[list[list[int]], int, int]
 # one decode token: (block table per KV group, its position)
 DecodeItem = tuple[list[list[int]], int]
