@@ -60,6 +60,12 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_has(feature: str) -> bool:
+    """Whether this CPU lists `feature` (as /proc/cpuinfo names it, e.g. "amx_bf16"): which kernel wins
+    can depend on it (docs/BENCHMARKS.md, "AMX")."""
+    return feature in _cpu_flags().split()
+
+
 def _run(cmd: list[str]) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

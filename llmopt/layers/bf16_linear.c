@@ -13,6 +13,7 @@
 // The packed weight (see pack_vnni in packed_linear.py): N rounded up to 16 with zero rows, cut into panels of
 // PANEL outputs (the last one may be narrower, a multiple of 16); panel p starts PANEL * p * K elements in
 // and is laid out [K / 2][width][2]. K is even.
+#define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <string.h>
 
@@ -109,6 +110,145 @@ static uint16_t *thread_buffer(size_t n) {
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512((void *)(out + i), (__m512i)int8x32_to_bf16(w + i));
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX: the same VNNI-pair panels are already the layout of an AMX B tile. A tile of 16 pair rows x 16 outputs
+// x 2 starts at panel + (k / 2) * width * 2 + v * 32 with a row stride of width * 4 bytes, so the weight is packed
+// once for both kernels. Each thread multiplies blocks of 32 rows x 32 outputs: two A tiles (16 rows x 32 k of
+// x) by two B tiles into four float32 C tiles, and one tdpbf16ps does 16 x 16 x 32 products where vdpbf16ps
+// does 16 x 2. packed_linear.py's AMX_MIN_ROWS picks it by rows: bf16 from one row (at one row both kernels read
+// the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 past a few rows (its
+// panels are widened to bf16 first). Past ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call
+// (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles and k blocking for L1 were tried and were slower.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_ROWS 16  // rows of an A and a C tile
+#define AMX_K 32     // bf16 of k per A tile row (64 bytes)
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+// Linux lends the AMX tile state only to a process that asks once; 1 when granted (or granted before).
+int bf16_linear_amx_available(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+// Tiles 0-3: C (rows a0, a0, a1, a1 x 16 float32); 4, 5: A (a0 and a1 rows x 32 bf16); 6, 7: B (16 pair rows x 32
+// bf16). a1 == 0 leaves the second row tile unused.
+static void amx_configure(int a0, int a1) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[8] = {a0, a0, a1, a1, a0, a1, AMX_K / 2, AMX_K / 2};
+    for (int t = 0; t < 8; t++) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = rows[t] ? 64 : 0;
+    _tile_loadconfig(&c);
+}
+
+// C tile t (rows x 16 float32, in c) * scale + bias -> y rows, `valid` of the 16 outputs.
+static void amx_store(const float *c, int rows, const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N,
+                      int64_t valid) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+    const __m512 s = scale ? load_bf16x16(scale, mask) : _mm512_set1_ps(1.f);
+    const __m512 b = bias ? load_bf16x16(bias, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++)
+        _mm256_mask_storeu_epi16(y + m * N, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_loadu_ps(c + 16 * m), s, b)));
+}
+
+// Rows x[0..a0 + a1) against outputs v and v + 1 (two == 0: v only) of one bf16 panel of `width` outputs.
+// Inlined with constant `two` and `pair` (a1 > 0) so the tile numbers are immediates.
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int a0, int a1, const int pair,
+                                                            int64_t K, const uint16_t *w, int64_t width, int v,
+                                                            const int two, const uint16_t *scale,
+                                                            const uint16_t *bias, uint16_t *y, int64_t N,
+                                                            int64_t valid) {
+    _tile_zero(0); _tile_zero(1);
+    if (pair) { _tile_zero(2); _tile_zero(3); }
+    const int64_t xs = K * 2, ws = width * 4;
+    for (int64_t k = 0; k < K; k += AMX_K) {
+        _tile_loadd(4, x + k, xs);
+        if (pair) _tile_loadd(5, x + AMX_ROWS * K + k, xs);
+        const uint16_t *wk = w + (k / 2) * width * 2 + v * 32;
+        _tile_loadd(6, wk, ws);
+        _tile_dpbf16ps(0, 4, 6);
+        if (pair) _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, wk + 32, ws);
+            _tile_dpbf16ps(1, 4, 7);
+            if (pair) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[AMX_ROWS * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < (two ? 2 : 1); t++) {
+        const int64_t left = valid - (v + t) * 16;
+        if (left <= 0) break;
+        const uint16_t *st = scale ? scale + (v + t) * 16 : NULL, *bt = bias ? bias + (v + t) * 16 : NULL;
+        if (t == 0) _tile_stored(0, c, 64); else _tile_stored(1, c, 64);
+        amx_store(c, a0, st, bt, y + (v + t) * 16, N, left);
+        if (pair) {
+            if (t == 0) _tile_stored(2, c, 64); else _tile_stored(3, c, 64);
+            amx_store(c, a1, st, bt, y + AMX_ROWS * N + (v + t) * 16, N, left);
+        }
+    }
+}
+
+// bf16_linear's contract on AMX tiles; K a multiple of 32 (the caller checks). int8 panels are widened to bf16
+// once per work item, as the VNNI kernel does past WIDEN_ROWS. Returns 0; 1 without AMX here; 2 out of memory.
+int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
+                    const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
+    if (!bf16_linear_amx_available() || K % AMX_K) return 1;
+    const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL;
+    const int64_t chunk = 2 * AMX_ROWS, chunks = (M + chunk - 1) / chunk;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint16_t *buf = int8 ? thread_buffer((size_t)(PANEL * K)) : NULL;
+        int64_t held = -1;
+        int conf0 = -1, conf1 = -1;  // the rows this thread's tiles are configured for
+        failed = int8 && !buf;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < panels; p++)
+            for (int64_t c = 0; c < chunks; c++) {
+                if (failed) continue;
+                const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
+                const int64_t valid = N - n0 < width ? N - n0 : width;
+                const uint16_t *w = (const uint16_t *)wp + n0 * K;
+                if (int8) {
+                    if (held != p) widen_panel((const int8_t *)wp + n0 * K, width * K, buf);
+                    held = p, w = buf;
+                }
+                const int64_t m0 = c * chunk, rows = M - m0 < chunk ? M - m0 : chunk;
+                const int a0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, a1 = (int)rows - a0;
+                if (a0 != conf0 || a1 != conf1) amx_configure(a0, a1), conf0 = a0, conf1 = a1;
+                const uint16_t *sp = scale ? scale + n0 : NULL, *bp = bias ? bias + n0 : NULL;
+                for (int v = 0; v < width / 16; v += 2) {
+                    const int two = v + 1 < width / 16;
+                    if (a1 && two) amx_block(x + m0 * K, a0, a1, 1, K, w, width, v, 1, sp, bp, y + m0 * N + n0, N, valid);
+                    else if (a1) amx_block(x + m0 * K, a0, a1, 1, K, w, width, v, 0, sp, bp, y + m0 * N + n0, N, valid);
+                    else if (two) amx_block(x + m0 * K, a0, 0, 0, K, w, width, v, 1, sp, bp, y + m0 * N + n0, N, valid);
+                    else amx_block(x + m0 * K, a0, 0, 0, K, w, width, v, 0, sp, bp, y + m0 * N + n0, N, valid);
+                }
+            }
+        if (conf0 >= 0) _tile_release();
+    }
+    return failed ? 2 : 0;
+}
+#else
+int bf16_linear_amx_available(void) { return 0; }
+
+int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
+                    const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
+    (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
+    return 1;
 }
 #endif
 

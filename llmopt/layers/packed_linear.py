@@ -22,18 +22,32 @@ log = logging.getLogger(__name__)
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 PANEL = 64  # outputs per panel of the VNNI layout (bf16_linear.c's PANEL)
+AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multiple of it for the AMX path
+# rows from which AMX tiles run a call where the CPU has them (docs/BENCHMARKS.md, "AMX"): bf16 weights at every
+# row count (even with one row AMX streams the weight as fast, and then every batch size rounds alike); int8
+# weights widen a panel to bf16 first, which pays only past a few rows
+AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 4}
 
 
 class Bf16LinearKernel:
-    """The loaded `bf16_linear.c`; `available` is False where the build has no AVX512-BF16."""
+    """The loaded `bf16_linear.c`; `available` is False where the build has no AVX512-BF16, `amx` True where
+    the CPU (and its kernel) lend AMX tiles, which then run every call of `amx_min_rows` rows or more."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.bf16_linear.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int]
-        lib.bf16_linear.restype = ctypes.c_int
+        for fn in (lib.bf16_linear, lib.bf16_linear_amx):
+            fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
         self.available = bool(lib.bf16_linear_available())
-        self._fn, self.path = lib.bf16_linear, path
+        self.amx = self.available and bool(lib.bf16_linear_amx_available())
+        self.amx_min_rows = dict(AMX_MIN_ROWS)
+        self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
+
+    def uses_amx(self, m: int, k: int, weight_dtype: torch.dtype) -> bool:
+        """Whether a call of m rows over k inputs (weights of `weight_dtype`) runs on AMX tiles, else on the
+        VNNI kernel."""
+        return self.amx and m >= self.amx_min_rows[weight_dtype] and k % AMX_K == 0
 
     def __call__(self, x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
                  scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,8 +58,9 @@ class Bf16LinearKernel:
         if int8 and scale is None:
             raise ValueError("bf16 linear kernel: int8 weights need their scales")
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = self._fn(x2.data_ptr(), m, k, packed.data_ptr(), int(int8), _ptr(scale), _ptr(bias), n, out.data_ptr(),
-                      torch.get_num_threads())
+        fn = self._amx if self.uses_amx(m, k, packed.dtype) else self._vnni
+        rc = fn(x2.data_ptr(), m, k, packed.data_ptr(), int(int8), _ptr(scale), _ptr(bias), n, out.data_ptr(),
+                torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("bf16 linear kernel: " + ("no AVX512-BF16 in this build" if rc == 1 else "out of memory"))
         return out

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import llmopt.native as native
 from llmopt import LLM, SamplingParams
 from llmopt.layers.linear import FusedLinear
 from llmopt.layers.moe import SparseMoeBlock
@@ -22,6 +23,7 @@ from llmopt.layers.packed_linear import (
 from llmopt.quant.linear import Int8WeightOnlyLinear
 from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.scheme import QuantScheme
+from llmopt.testing.rounding import within_bf16_linear_bound
 from llmopt.testing.tiny_model import write_tiny_moe
 
 CPU = torch.device("cpu")
@@ -39,50 +41,91 @@ def _linear(n: int, k: int, bias: bool, dtype: torch.dtype, g: torch.Generator) 
     return lin
 
 
+def _path(packed: PackedLinear, rows: int) -> str:
+    """Which kernel ran a call, for failure messages: a result that depends on the CPU names its cause."""
+    if packed.kernel is None:
+        return "oneDNN's packed layout"
+    amx = packed.kernel.uses_amx(rows, packed.in_features, packed.dtype)
+    return f"{'AMX tiles' if amx else 'AVX512-BF16 pairs'} (CPU has amx_bf16: {native.cpu_has('amx_bf16')})"
+
+
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("vnni", [False, True])
 def test_packed_linear_matches_f_linear(dtype, bias, vnni):
+    """Decode and prefill sizes. Which kernel runs a bf16 call (our AMX tiles or AVX512-BF16 pairs, oneDNN's
+    own choice by shape and CPU) sets the summation order, so no two need agree bitwise: ours and F.linear
+    are each held to the bound every float32-summing kernel meets (llmopt.testing.rounding), against float64."""
     if not packing_supported(dtype, CPU):
         pytest.skip(f"no oneDNN {dtype} matmul here")
     g = torch.Generator().manual_seed(0)
     lin = _linear(200, 96, bias, dtype, g)
     packed = PackedLinear(lin, vnni=vnni)
     assert (packed.kernel is not None) == (vnni and dtype == torch.bfloat16 and vnni_kernel() is not None)
-    for rows in (1, 3, 16):  # decode sizes: bf16 sums in F.linear's order (oneDNN's very kernel), bitwise
+    for rows in (1, 3, 16, 300):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         got, want = packed(x), F.linear(x, lin.weight, lin.bias)
         if dtype == torch.bfloat16:
-            assert torch.equal(got, want)
+            ok, worst = within_bf16_linear_bound(got, x, lin.weight, lin.bias)
+            assert ok, f"{rows} rows on {_path(packed, rows)}: error {worst:.2f}x the float32-summation bound"
+            ok, worst = within_bf16_linear_bound(want, x, lin.weight, lin.bias)
+            assert ok, f"F.linear at {rows} rows: error {worst:.2f}x the bound (the bound's premise)"
         else:  # torch's fp16 F.linear on a CPU is another kernel: the same up to fp16 rounding
             assert torch.allclose(got, want, atol=1e-2, rtol=1e-3)
     x = torch.randn(2, 150, 96, generator=g).to(dtype)  # a prefill-sized 3-D batch
-    want = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
     got = packed(x)
     assert got.shape == (2, 150, 200) and got.dtype == dtype
-    assert torch.allclose(got.float(), want, atol=0.1, rtol=0.02)
+    if dtype == torch.bfloat16:
+        assert within_bf16_linear_bound(got.view(300, 200), x.view(300, 96), lin.weight, lin.bias)[0]
+    else:
+        want = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+        assert torch.allclose(got.float(), want, atol=0.1, rtol=0.02)
     assert torch.equal(packed.weight, lin.weight)  # unpacks back exactly
     assert torch.equal(packed.state_dict()["weight"], lin.weight)
 
 
 @needs_vnni
+@pytest.mark.parametrize("path", ["vnni", "amx"])
 @pytest.mark.parametrize(("n", "k"), [(7, 34), (64, 64), (130, 576), (1000, 96)])
-def test_vnni_kernel_matches_float32_sums_at_every_batch_shape(n, k):
-    """Outputs that are not a whole vector or panel (n % 16, n % 64), and batches that end mid-pass (6 rows)
-    or mid work item (48 rows): each output is the float32 sum rounded once to bf16, so it is within one
-    bf16 rounding of the float32 reference."""
+def test_kernel_paths_meet_the_float32_summation_bound_at_every_batch_shape(n, k, path, monkeypatch):
+    """Outputs that are not a whole vector or panel (n % 16, n % 64), batches that end mid-pass (6 rows), mid
+    tile (16) or mid work item (32, 48): each path, forced, within the float32-summation bound of float64.
+    K = 34 is no multiple of an AMX tile's 32: that call takes the VNNI path on every CPU."""
+    kernel = vnni_kernel()
+    if path == "amx" and not kernel.amx:
+        pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
+    monkeypatch.setitem(kernel.amx_min_rows, torch.bfloat16, 1 if path == "amx" else 10**9)
     g = torch.Generator().manual_seed(1)
     lin = _linear(n, k, True, torch.bfloat16, g)
     packed = PackedLinear(lin)
-    assert packed.kernel is not None
-    w, b = lin.weight.float(), lin.bias.float()
-    for rows in (1, 2, 5, 6, 7, 13, 47, 48, 49, 100):
+    assert packed.kernel is kernel
+    for rows in (1, 2, 5, 6, 7, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 100):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        want = F.linear(x.float(), w, b)
         got = packed(x)
         assert got.shape == (rows, n)
-        assert torch.allclose(got.float(), want, rtol=2**-8, atol=1e-3), rows
+        ok, worst = within_bf16_linear_bound(got, x, lin.weight, lin.bias)
+        assert ok, f"{rows} rows on {_path(packed, rows)}: error {worst:.2f}x the bound"
+
+
+@needs_vnni
+@pytest.mark.parametrize("path", ["vnni", "amx"])
+def test_a_row_is_the_same_alone_or_in_any_batch(path, monkeypatch):
+    """Bitwise, by construction: a row's sums come from its own x row in one fixed order (VNNI passes and AMX
+    tile rows are independent of each other), so while one path runs, batching never changes a result. bf16
+    takes AMX tiles from one row where the CPU has them (AMX_MIN_ROWS), so an engine's bf16 linears are
+    batch-invariant on both kinds of CPU."""
+    kernel = vnni_kernel()
+    if path == "amx" and not kernel.amx:
+        pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
+    monkeypatch.setitem(kernel.amx_min_rows, torch.bfloat16, 1 if path == "amx" else 10**9)
+    g = torch.Generator().manual_seed(4)
+    packed = PackedLinear(_linear(200, 576, True, torch.bfloat16, g))
+    x = torch.randn(100, 576, generator=g).to(torch.bfloat16)
+    batched = packed(x)
+    for i in (0, 5, 16, 17, 33, 99):
+        assert torch.equal(packed(x[i:i + 1]), batched[i:i + 1]), i
+    assert torch.equal(packed(x[:40]), batched[:40])
 
 
 @needs_vnni
@@ -103,7 +146,8 @@ def test_packed_linear_keeps_onednn_layout_without_a_compiler(no_compiler):
     packed = PackedLinear(lin)
     assert packed.kernel is None and "onednn" in repr(packed)
     x = torch.randn(3, 32).to(torch.bfloat16)
-    assert torch.equal(packed(x), F.linear(x, lin.weight))
+    ok, worst = within_bf16_linear_bound(packed(x), x, lin.weight)  # another oneDNN primitive than F.linear's
+    assert ok, f"oneDNN's packed linear: error {worst:.2f}x the float32-summation bound"
 
 
 @needs_packing
@@ -145,9 +189,10 @@ def test_pack_linears_leaves_moe_experts_to_their_grouped_path(tmp_path):
 
 @needs_packing
 def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
-    """Prompts and batches under 17 rows keep every matmul at decode size, where the packed kernel is
-    bitwise F.linear's: the same tokens and the same logprobs. enforce_eager leaves the weights plain,
-    fp32 is never packed."""
+    """The same greedy tokens and top-2 logprobs within 0.02 nats (an allowance, not a derived bound): the
+    packed kernels (AMX tiles or AVX512-BF16 pairs) and oneDNN's F.linear each sum in their own order, which
+    on some CPUs and shapes differs by one bf16 rounding in a few elements (test_packed_linear_matches_f_linear
+    holds each to the float32-summation bound). enforce_eager leaves the weights plain, fp32 is never packed."""
     packed = LLM(str(tiny_llama), dtype="bfloat16")
     packed.engine.runner.attn_backend._kernel = None  # SDPA decode: the paged decode kernel rounds differently
     eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
@@ -161,4 +206,6 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     for a, b in zip(packed.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        for got, want in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) <= 0.02 for t in got), (got, want)

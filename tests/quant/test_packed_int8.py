@@ -11,6 +11,7 @@ from llmopt.layers.linear import FusedLinear
 from llmopt.layers.packed_linear import vnni_kernel
 from llmopt.quant import Int8WeightOnlyLinear, QuantScheme, rtn_quantize
 from llmopt.quant.packed_int8 import PackedInt8Linear, pack_int8_linears
+from llmopt.testing.rounding import within_bf16_linear_bound
 
 needs_vnni = pytest.mark.skipif(vnni_kernel() is None, reason="no AVX512-BF16 (or no C compiler) here")
 
@@ -24,21 +25,27 @@ def _int8(n: int, k: int, seed: int, symmetric: bool = True, bias: bool = False,
 
 
 @needs_vnni
+@pytest.mark.parametrize("path", ["vnni", "amx"])
 @pytest.mark.parametrize(("n", "k", "bias"), [(7, 48, False), (130, 576, True), (1000, 96, False)])
-def test_packed_int8_matches_the_int8_linear(n, k, bias):
+def test_packed_int8_matches_the_int8_linear(n, k, bias, path, monkeypatch):
     """Passes of up to 6 rows (int8 converted per pass), past 16 rows each panel widened once per work item,
-    partial vectors and panels: within bf16 rounding of the dequantized float32 matmul, as the module
-    it replaces is."""
+    AMX tiles over widened panels, partial vectors and panels: each path within the float32-summation bound
+    (llmopt.testing.rounding) of the float64 matmul over the int8 weight and its bf16 scales, and close to the
+    module it replaces (another kernel, another order). K = 48 is no multiple of an AMX tile's 32: VNNI always."""
+    kernel = vnni_kernel()
+    if path == "amx" and not kernel.amx:
+        pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
+    monkeypatch.setitem(kernel.amx_min_rows, torch.int8, 1 if path == "amx" else 10**9)
     mod = _int8(n, k, n + k, bias=bias)
-    packed = PackedInt8Linear(mod, vnni_kernel())
-    w = mod.dequantize()
+    packed = PackedInt8Linear(mod, kernel)
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 3, 6, 7, 12, 13, 17, 48, 49, 100):
+    for rows in (1, 3, 6, 7, 12, 13, 16, 17, 33, 48, 49, 100):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        want = x.float() @ w.t() + (mod.bias.to(torch.bfloat16).float() if bias else 0)  # bf16, as both hold it
         got = packed(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        assert torch.allclose(got.float(), want, rtol=2**-7, atol=2e-3), rows
+        ok, worst = within_bf16_linear_bound(got, x, mod.weight, packed.bias, packed.scales)
+        amx = kernel.uses_amx(rows, k, torch.int8)
+        assert ok, f"{rows} rows on {'AMX tiles' if amx else 'AVX512-BF16 pairs'}: error {worst:.2f}x the bound"
         old = mod(x).float()
         assert torch.allclose(got.float(), old, rtol=2**-6, atol=1e-2), rows
     assert packed(torch.randn(2, 5, k).to(torch.bfloat16)).shape == (2, 5, n)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import llmopt.native as native
 from llmopt.layers import kernels
 from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, PrefillItem
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
@@ -20,8 +21,10 @@ from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 from llmopt.layers.kernels import Ops
 
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
-# past this many query x context positions a chunk uses SDPA, which streams what `causal_attention` holds
-COMPILED_ATTENTION_MAX_SCORES = 2048 * 4096
+# past this many query x context positions a chunk uses SDPA, which streams what `causal_attention` holds. With
+# AMX tiles (amx_bf16), torch's SDPA is 3-12x faster than the compiled function at every size (16 to 2,048
+# tokens, docs/BENCHMARKS.md "AMX"), so such a CPU always uses SDPA.
+COMPILED_ATTENTION_MAX_SCORES = 0 if native.cpu_has("amx_bf16") else 2048 * 4096
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
