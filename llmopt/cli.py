@@ -403,6 +403,9 @@ def quantize(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUT_DIR."),
     output: str = typer.Option(..., "--output", "-o", help="OUT_DIR to write."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size",
+                                       help="Largest safetensors shard (5GB, 500MB, 2GiB): past it the checkpoint "
+                                       "is model-0000i-of-0000N.safetensors + model.safetensors.index.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a summary."),
 ) -> None:
     """Quantize a model (RTN, GPTQ, AWQ, SmoothQuant W8A8, FP8) into a GPTQ or compressed-tensors checkpoint."""
@@ -416,7 +419,8 @@ def quantize(
                          act_order=act_order, static_groups=static_groups, mse=mse,
                          calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
-                         kv_cache=kv_cache, format=fmt, output=Path(output), overwrite=overwrite, device=device)
+                         kv_cache=kv_cache, format=fmt, output=Path(output), overwrite=overwrite, device=device,
+                         max_shard_size=max_shard_size)
     report = quantize_model(cfg, err_console)
     if as_json:
         _print_json(report.model_dump(mode="json"))

@@ -13,16 +13,17 @@ Calibrated INT8 KV-cache scales go to `kv_cache_scales.json` (llmopt/quant/kv_sc
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears
 from llmopt.models.base import CausalLM
+from llmopt.models.shards import INDEX_FILE, ShardWriter
 from llmopt.quant.kv_scales import KV_SCALES_FILE, write_kv_scales
 from llmopt.quant.pack_compressed import (
     compressed_config_group,
@@ -36,9 +37,8 @@ from llmopt.quant.rows import slice_rows
 from llmopt.quant.sequential import QuantizedModule
 from llmopt.quant.targets import Target, hf_parts
 
-WEIGHTS_FILE = "model.safetensors"
 COMPUTE_DTYPE = "bfloat16"
-_SKIP_COPY = {"config.json", "model.safetensors.index.json", "quantization_report.json", KV_SCALES_FILE}
+_SKIP_COPY = {"config.json", INDEX_FILE, "quantization_report.json", KV_SCALES_FILE}
 
 INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
     "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None,
@@ -121,15 +121,24 @@ def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: 
     return _compressed_config(targets, act_order)
 
 
+def _checkpoint_order(name: str) -> tuple:
+    """Tensors in model order (layer 2 before layer 10), so a shard holds whole consecutive layers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
 def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any], model: CausalLM,
                      targets: list[Target], modules: dict[str, QuantizedModule], fmt: str, act_order: bool,
-                     damp: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Write tensors, config.json (with quantization_config), tokenizer and generation config to `out`,
-    and `kv_cache_scales.json` when `kv_scales` ([layers, kv_heads] K and V scales) are given."""
+                     damp: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+                     max_shard_bytes: int) -> list[Path]:
+    """Write tensors (safetensors shards of at most `max_shard_bytes`, see `models.shards`), config.json (with
+    quantization_config), tokenizer and generation config to `out`, and `kv_cache_scales.json` when
+    `kv_scales` ([layers, kv_heads] K and V scales) are given; returns the shard files."""
     tensors = float_tensors(model, targets)
     for qm in modules.values():
         tensors.update(_module_tensors(qm, fmt))
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    writer = ShardWriter(out, max_shard_bytes)
+    writer.add({name: tensors[name] for name in sorted(tensors, key=_checkpoint_order)})
+    shards = writer.finish()
     if kv_scales is not None:
         write_kv_scales(out, *kv_scales)
     qcfg = quantization_config(targets, fmt, act_order, damp)
@@ -141,3 +150,4 @@ def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any],
     for f in sorted(source_dir.iterdir()):
         if f.is_file() and f.name not in _SKIP_COPY and f.suffix not in (".safetensors", ".gguf", ".bin"):
             shutil.copy2(f, out / f.name)
+    return shards

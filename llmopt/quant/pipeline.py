@@ -18,8 +18,9 @@ from llmopt.calibrate.run import DTYPES, CalibrationDataConfig, sample_windows
 from llmopt.calibrate.stats import SavedStats
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
+from llmopt.models.shards import parse_shard_size
 from llmopt.quant.deploy import deployment
-from llmopt.quant.export import WEIGHTS_FILE, quantization_config, write_checkpoint
+from llmopt.quant.export import quantization_config, write_checkpoint
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.report import ModuleReport, QuantReport
 from llmopt.quant.sequential import SequentialOptions, SequentialQuantizer
@@ -103,8 +104,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     timings = {"load model": load_s, "sample calibration data": sample_s, **result.timings}
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         t0 = time.perf_counter()
-        write_checkpoint(tmp, directory, resolved.config, model, targets, result.modules, cfg.format,
-                         cfg.act_order, cfg.damp, kv)
+        shards = write_checkpoint(tmp, directory, resolved.config, model, targets, result.modules, cfg.format,
+                                  cfg.act_order, cfg.damp, kv, parse_shard_size(cfg.max_shard_size))
         timings["write checkpoint"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
@@ -114,7 +115,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             modules=[ModuleReport.of(qm) for qm in result.modules.values()],
             ignored=[hf for t in targets if t.scheme is None for hf in t.parts],
             timings_s={k: round(v, 3) for k, v in timings.items()},
-            bytes_before=bytes_before, bytes_after=(tmp / WEIGHTS_FILE).stat().st_size, notes=notes,
+            bytes_before=bytes_before, bytes_after=sum(f.stat().st_size for f in shards), notes=notes,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
                                   kv_cache=cfg.kv_cache is not None, moe=resolved.spec.is_moe))
         report.write(tmp / REPORT)

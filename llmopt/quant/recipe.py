@@ -13,7 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmopt.errors import LlmoptError
 from llmopt.group_size import W4_DEFAULT_GROUPS
+from llmopt.models.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from llmopt.quant.fp8 import FP8_SCHEME
 from llmopt.quant.scheme import QuantScheme
 
@@ -94,6 +96,16 @@ class QuantizeConfig(BaseModel):
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     batch_tokens: int = Field(4096, ge=1)
     smoothquant_alpha: float = Field(0.5, ge=0, le=1)
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # per safetensors shard, as transformers' save_pretrained
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _max_shard_size(cls, v: str) -> str:
+        try:
+            parse_shard_size(v)
+        except LlmoptError as e:
+            raise ValueError(str(e)) from None
+        return v
 
     @field_validator("ignore")
     @classmethod
