@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
+from torch import nn
 
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import output_splits
 from llmopt.models.base import CausalLM
+from llmopt.models.reader import CheckpointTensors
 from llmopt.models.registry import build_model
 from llmopt.models.resolve import ResolvedModel, weights_dir
 
@@ -31,35 +30,75 @@ def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32", device: t
     return _DTYPES[dtype]
 
 
-def load_state_into(model: CausalLM, directory: Path) -> None:
+def fill_module(model: CausalLM, tensors: CheckpointTensors, prefix: str | None = None,
+                device: str | torch.device | None = None) -> None:
+    """Fill our parameters under `prefix` (a module path such as `layers.3`, or every one when None) from the
+    checkpoint, shape-checked; with `device`, that module is first materialized there from the meta device.
+    Streamed callers fill one module at a time, so only it is in memory (`release` gives it back)."""
+    if device is not None:
+        _move_params(model, prefix, device)
     params = dict(model.named_parameters(remove_duplicate=False))
+    inside = (lambda name: True) if prefix is None else (lambda name: name.startswith(prefix + "."))
     loaded: set[str] = set()
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st, torch.no_grad():
-            for name in st.keys():
-                if "rotary_emb" in name:
-                    continue
-                ours, shard = type(model).hf_to_ours(name)
-                if ours not in params:
-                    raise LlmoptError(f"{f.name}: unexpected tensor {name!r} (does config.json's architecture "
-                                      f"match the weights?)")
-                target = params[ours]
-                if shard is not None:  # the rows of one projection inside a fused linear
-                    lo, hi = output_splits(model.get_submodule(ours.rsplit(".", 1)[0]))[shard]
-                    target = target[lo:hi]
-                tensor = st.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise LlmoptError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-                target.copy_(tensor)
-                loaded.add(ours if shard is None else f"{ours}:{shard}")
+    with torch.no_grad():
+        for name in tensors.names():
+            if "rotary_emb" in name:
+                continue
+            ours, shard = type(model).hf_to_ours(name)
+            if not inside(ours):
+                continue
+            if ours not in params:
+                raise LlmoptError(f"{tensors.where[name].name}: unexpected tensor {name!r} (does config.json's "
+                                  f"architecture match the weights?)")
+            target = params[ours]
+            if shard is not None:  # the rows of one projection inside a fused linear
+                lo, hi = output_splits(model.get_submodule(ours.rsplit(".", 1)[0]))[shard]
+                target = target[lo:hi]
+            tensor = tensors.get(name)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise LlmoptError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(ours if shard is None else f"{ours}:{shard}")
     # every parameter, a fused one once per checkpoint projection in it
     expected = {f"{name}.{p}" + (f":{s}" if s else "") for name, mod in model.named_modules()
-                for p, _ in mod.named_parameters(recurse=False) for s in output_splits(mod) or [None]}
+                for p, _ in mod.named_parameters(recurse=False) for s in output_splits(mod) or [None]
+                if inside(f"{name}.{p}")}
     if model.spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
-        raise LlmoptError(f"{directory}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+        raise LlmoptError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+
+
+def _move_params(model: CausalLM, prefix: str | None, device: str | torch.device) -> None:
+    """Every parameter under `prefix` replaced by an uninitialized one on `device` (buffers, such as RoPE
+    tables, stay as they are); a tied head keeps sharing the embedding's parameter."""
+    new: dict[int, nn.Parameter] = {}
+    for mod in (model if prefix is None else model.get_submodule(prefix)).modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                mod._parameters[name] = new[id(p)]
+    if model.spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def release(model: CausalLM, prefix: str) -> None:
+    """Give a filled module's memory back: its parameters return to the meta device."""
+    _move_params(model, prefix, "meta")
+
+
+def build_empty(resolved: ResolvedModel, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """Our model for `resolved` with every parameter on the meta device (nothing allocated) and its RoPE
+    tables on `device`; `fill_module` materializes it module by module."""
+    with torch.device("meta"):
+        model = build_model(resolved.spec, dtype, "meta")
+    # buffers (rotary tables) are not in the checkpoint: built on the real device
+    model.rotary = model.build_rotary(device)
+    if resolved.spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
 
 
 def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
@@ -71,14 +110,9 @@ def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
         from llmopt.quant.checkpoint import load_quantized_model  # lazy: quant builds on this module
 
         return load_quantized_model(resolved, directory, torch_dtype, device)
-    with torch.device("meta"):
-        model = build_model(resolved.spec, torch_dtype, "meta")
-    model = model.to_empty(device=device)
-    # buffers (rotary tables) are not in the checkpoint: rebuild them on the real device
-    model.rotary = model.build_rotary(device)
-    if resolved.spec.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    load_state_into(model, directory)
-    model.eval()
+    model = build_empty(resolved, torch_dtype, device)
+    try:
+        fill_module(model, CheckpointTensors(directory), device=device)
+    except LlmoptError as e:
+        raise LlmoptError(f"{directory}: {e}") from None
     return model
-

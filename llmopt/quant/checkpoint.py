@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears, output_splits, set_submodule
 from llmopt.models.base import CausalLM
+from llmopt.models.reader import CheckpointTensors
 from llmopt.models.registry import build_model
 from llmopt.models.resolve import ResolvedModel, weights_dir
 from llmopt.quant.dequantized import DequantizedLinear
@@ -39,27 +39,6 @@ from llmopt.quant.targets import hf_parts
 
 _SCALE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SUPPORTED = ("gptq", "compressed-tensors")
-
-
-class _Tensors:
-    """Lazy access to every tensor of a checkpoint directory's safetensors files."""
-
-    def __init__(self, directory: Path) -> None:
-        self.where: dict[str, Path] = {}
-        for f in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    self.where[k] = f
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.where[name]), framework="pt") as st:
-            return st.get_tensor(name)
-
-    def maybe(self, name: str) -> torch.Tensor | None:
-        return self.get(name) if name in self else None
 
 
 @dataclass
@@ -89,7 +68,7 @@ def _ct_group(qcfg: dict[str, Any], name: str) -> dict[str, Any] | None:
     return None
 
 
-def _read_compressed(ts: _Tensors, name: str, qcfg: dict[str, Any]) -> _Part | None:
+def _read_compressed(ts: CheckpointTensors, name: str, qcfg: dict[str, Any]) -> _Part | None:
     group = _ct_group(qcfg, name)
     if group is None or not group.get("weights"):
         return None
@@ -133,7 +112,7 @@ def _read_compressed(ts: _Tensors, name: str, qcfg: dict[str, Any]) -> _Part | N
     raise LlmoptError(f"{name}: unsupported compressed weight dtype {weight.dtype}")
 
 
-def _read_gptq(ts: _Tensors, name: str, qcfg: dict[str, Any]) -> _Part | None:
+def _read_gptq(ts: CheckpointTensors, name: str, qcfg: dict[str, Any]) -> _Part | None:
     if f"{name}.qweight" not in ts:
         return None
     if qcfg.get("checkpoint_format", "gptq") != "gptq":
@@ -144,7 +123,7 @@ def _read_gptq(ts: _Tensors, name: str, qcfg: dict[str, Any]) -> _Part | None:
     return _Part(qw, None, ts.maybe(f"{name}.bias"))
 
 
-def _read_part(ts: _Tensors, name: str, qcfg: dict[str, Any]) -> _Part:
+def _read_part(ts: CheckpointTensors, name: str, qcfg: dict[str, Any]) -> _Part:
     method = qcfg.get("quant_method")
     part = _read_gptq(ts, name, qcfg) if method == "gptq" else _read_compressed(ts, name, qcfg)
     if part is not None:
@@ -205,7 +184,7 @@ def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.
                           f"(supported: {', '.join(SUPPORTED)})")
     device = torch.device(device)
     spec = resolved.spec
-    ts = _Tensors(directory)
+    ts = CheckpointTensors(directory)
     with torch.device("meta"):
         model = build_model(spec, dtype, "meta")
     used: set[str] = set()
@@ -250,7 +229,7 @@ def load_quantized_model(resolved: ResolvedModel, directory: Path, dtype: torch.
 def read_quantized_weights(resolved: ResolvedModel) -> dict[str, QuantizedWeight]:
     """Every quantized projection of a checkpoint as a QuantizedWeight, by HF module name."""
     qcfg = resolved.quantization_config or {}
-    ts = _Tensors(weights_dir(resolved))
+    ts = CheckpointTensors(weights_dir(resolved))
     names = sorted({k.rsplit(".", 1)[0] for k in ts.where if k.endswith((".qweight", ".weight_scale"))})
     out = {}
     for name in names:
@@ -282,7 +261,7 @@ def kv_cache_scales(resolved: ResolvedModel) -> KVCacheScales | None:
     # legacy (llmopt before kv_cache_scales.json): int8 kv_cache_scheme + per-layer tensors
     if kv.get("type") != "int" or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic"):
         raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static int8 only)")
-    ts = _Tensors(weights_dir(resolved))
+    ts = CheckpointTensors(weights_dir(resolved))
     k, v = [], []
     for i in range(s.num_layers):
         for store, kind in ((k, "k"), (v, "v")):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,16 @@ INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
 }
 
 
-def float_tensors(model: CausalLM, targets: list[Target]) -> dict[str, torch.Tensor]:
-    """Every tensor not replaced by quantized ones, under HF names (fused float linears split by rows)."""
+def float_tensors(model: CausalLM, targets: list[Target],
+                  within: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """Every tensor not replaced by quantized ones whose parameter name `within` takes, under HF names (fused
+    float linears split by rows)."""
     quantized = {t.module for t in targets if t.scheme is not None}
     linears = dict(iter_linears(model))
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():  # tied lm_head is deduplicated by named_parameters
+        if not within(name):
+            continue
         mod_name, _, kind = name.rpartition(".")
         if mod_name in quantized and kind == "weight":
             continue
@@ -126,28 +131,43 @@ def _checkpoint_order(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def write_checkpoint(out: Path, source_dir: Path, source_config: dict[str, Any], model: CausalLM,
-                     targets: list[Target], modules: dict[str, QuantizedModule], fmt: str, act_order: bool,
-                     damp: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
-                     max_shard_bytes: int) -> list[Path]:
-    """Write tensors (safetensors shards of at most `max_shard_bytes`, see `models.shards`), config.json (with
-    quantization_config), tokenizer and generation config to `out`, and `kv_cache_scales.json` when
-    `kv_scales` ([layers, kv_heads] K and V scales) are given; returns the shard files."""
-    tensors = float_tensors(model, targets)
-    for qm in modules.values():
-        tensors.update(_module_tensors(qm, fmt))
-    writer = ShardWriter(out, max_shard_bytes)
-    writer.add({name: tensors[name] for name in sorted(tensors, key=_checkpoint_order)})
-    shards = writer.finish()
-    if kv_scales is not None:
-        write_kv_scales(out, *kv_scales)
-    qcfg = quantization_config(targets, fmt, act_order, damp)
-    cfg = dict(source_config)
-    cfg["quantization_config"] = qcfg
-    cfg["torch_dtype"] = COMPUTE_DTYPE
-    cfg["dtype"] = COMPUTE_DTYPE
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
-    for f in sorted(source_dir.iterdir()):
-        if f.is_file() and f.name not in _SKIP_COPY and f.suffix not in (".safetensors", ".gguf", ".bin"):
-            shutil.copy2(f, out / f.name)
-    return shards
+class CheckpointExport:
+    """Writes a quantized checkpoint into `out` as its decoder layers finish (the streamed quantizer hands
+    each one over, then frees it), then the rest: embeddings, final norm and head, config.json (with
+    quantization_config), tokenizer and generation config, and `kv_cache_scales.json` when KV scales
+    ([layers, kv_heads] K and V) are given. Tensors go to safetensors shards of at most `max_shard_bytes`
+    (`models.shards`) as they come."""
+
+    def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
+                 max_shard_bytes: int) -> None:
+        self.out, self.targets, self.fmt, self.act_order, self.damp = out, targets, fmt, act_order, damp
+        self.qcfg = quantization_config(targets, fmt, act_order, damp)  # fails before any work
+        self.writer = ShardWriter(out, max_shard_bytes)
+
+    def _add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.writer.add({name: tensors[name] for name in sorted(tensors, key=_checkpoint_order)})
+
+    def add_layer(self, model: CausalLM, index: int, modules: dict[str, QuantizedModule]) -> None:
+        """Decoder layer `index`: its float tensors (norms, with any AWQ/SmoothQuant folding) and `modules`."""
+        prefix = f"layers.{index}."
+        tensors = float_tensors(model, self.targets, lambda name: name.startswith(prefix))
+        for qm in modules.values():
+            tensors.update(_module_tensors(qm, self.fmt))
+        self._add(tensors)
+
+    def finish(self, model: CausalLM, source_dir: Path, source_config: dict[str, Any],
+               kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[Path]:
+        """Everything outside the decoder layers (filled in `model` by then); returns the shard files."""
+        self._add(float_tensors(model, self.targets, lambda name: not name.startswith("layers.")))
+        shards = self.writer.finish()
+        if kv_scales is not None:
+            write_kv_scales(self.out, *kv_scales)
+        cfg = dict(source_config)
+        cfg["quantization_config"] = self.qcfg
+        cfg["torch_dtype"] = COMPUTE_DTYPE
+        cfg["dtype"] = COMPUTE_DTYPE
+        (self.out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+        for f in sorted(source_dir.iterdir()):
+            if f.is_file() and f.name not in _SKIP_COPY and f.suffix not in (".safetensors", ".gguf", ".bin"):
+                shutil.copy2(f, self.out / f.name)
+        return shards

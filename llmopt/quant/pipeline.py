@@ -20,10 +20,10 @@ from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
 from llmopt.models.shards import parse_shard_size
 from llmopt.quant.deploy import deployment
-from llmopt.quant.export import quantization_config, write_checkpoint
+from llmopt.quant.export import CheckpointExport, quantization_config
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.report import ModuleReport, QuantReport
-from llmopt.quant.sequential import SequentialOptions, SequentialQuantizer
+from llmopt.quant.sequential import QuantizedModule, SequentialOptions, SequentialQuantizer
 
 REPORT = "quantization_report.json"
 INT8_MAX = 127.0
@@ -57,9 +57,17 @@ def _check_data_given(cfg: QuantizeConfig) -> None:
 
 
 def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> QuantReport:
-    """Quantize `cfg.model` as `cfg` says and write `cfg.output`; returns the report written there."""
+    """Quantize `cfg.model` as `cfg` says and write `cfg.output`; returns the report written there.
+
+    Streamed: the model is built on the meta device and each decoder layer is read from the checkpoint
+    only when it is processed, in float32 on the compute device, then written to the output and freed
+    (`SequentialQuantizer`'s load_layer / layer_done). The embeddings are read for the calibration
+    embedding and again for the output, the final norm and head only for the output. So memory holds one
+    layer (plus its calibration activations and statistics), never the model: a model larger than the
+    host's memory or the GPU quantizes on it (docs/QUANTIZE.md, "How big a model")."""
     from llmopt.devices import resolve_device
-    from llmopt.models.loader import load_model
+    from llmopt.models.loader import build_empty, fill_module, release
+    from llmopt.models.reader import CheckpointTensors
     from llmopt.models.resolve import resolve_model, weights_dir
     from llmopt.models.tokenizer import load_tokenizer
     from llmopt.quant.targets import plan_targets
@@ -75,9 +83,9 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
         raise LlmoptError(f"{resolved.path} is already quantized; quantize the original model")
     directory = weights_dir(resolved)
     device = resolve_device(cfg.device)
-    t0 = time.perf_counter()
-    model = load_model(resolved, torch.float32, device)
-    load_s = time.perf_counter() - t0
+    max_shard_bytes = parse_shard_size(cfg.max_shard_size)
+    checkpoint = CheckpointTensors(directory)
+    model = build_empty(resolved, torch.float32, device)
     targets, notes = plan_targets(model, cfg)
     quantization_config(targets, cfg.format, cfg.act_order, cfg.damp)  # fail early
     tokenizer = load_tokenizer(directory)
@@ -90,29 +98,52 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
                              mse=cfg.mse, damp=cfg.damp, block_size=cfg.block_size,
                              smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=DTYPES[cfg.forward_dtype],
                              batch_tokens=cfg.batch_tokens)
-    runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None)
-    with layer_progress(console, f"quantizing ({cfg.scheme}, {cfg.method})", resolved.spec.num_layers) as advance:
-        result = runner.run(progress=advance)
-    for note in result.notes:
-        console.print(f"[yellow]warning:[/] {note}", highlight=False)
-    notes = notes + result.notes
-    kv = None
-    if cfg.kv_cache is not None:
-        assert result.k_absmax is not None and result.v_absmax is not None
-        kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
     bytes_before = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    timings = {"load model": load_s, "sample calibration data": sample_s, **result.timings}
+    load_s = 0.0
+    module_reports: list[ModuleReport] = []
+
+    def load(prefix: str) -> None:
+        nonlocal load_s
+        t = time.perf_counter()
+        fill_module(model, checkpoint, prefix, device)
+        load_s += time.perf_counter() - t
+
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
+        export = CheckpointExport(tmp, targets, cfg.format, cfg.act_order, cfg.damp, max_shard_bytes)
+
+        def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
+            t = time.perf_counter()
+            module_reports.extend(ModuleReport.of(qm) for qm in modules.values())
+            export.add_layer(model, i, modules)
+            release(model, f"layers.{i}")
+            runner.timings["write checkpoint"] = runner.timings.get("write checkpoint", 0.0) + time.perf_counter() - t
+
+        if windows is not None:
+            load("embed_tokens")  # embed_batches embeds the windows before layer 0; freed until the export
+        runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None,
+                                     load_layer=lambda i: load(f"layers.{i}"), layer_done=layer_done,
+                                     after_embedding=lambda: release(model, "embed_tokens"))
+        with layer_progress(console, f"quantizing ({cfg.scheme}, {cfg.method})", resolved.spec.num_layers) as advance:
+            result = runner.run(progress=advance)
+        for note in result.notes:
+            console.print(f"[yellow]warning:[/] {note}", highlight=False)
+        notes = notes + result.notes
+        kv = None
+        if cfg.kv_cache is not None:
+            assert result.k_absmax is not None and result.v_absmax is not None
+            kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
+        for prefix in ("embed_tokens", "norm", *(() if resolved.spec.tie_word_embeddings else ("lm_head",))):
+            load(prefix)
         t0 = time.perf_counter()
-        shards = write_checkpoint(tmp, directory, resolved.config, model, targets, result.modules, cfg.format,
-                                  cfg.act_order, cfg.damp, kv, parse_shard_size(cfg.max_shard_size))
-        timings["write checkpoint"] = time.perf_counter() - t0
+        shards = export.finish(model, directory, resolved.config, kv)
+        timings = {"load weights": load_s, "sample calibration data": sample_s, **result.timings}
+        timings["write checkpoint"] = timings.get("write checkpoint", 0.0) + time.perf_counter() - t0
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
             model=resolved.source, output=str(cfg.output), format=cfg.format,
             settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}),
             calibration=calib,
-            modules=[ModuleReport.of(qm) for qm in result.modules.values()],
+            modules=module_reports,
             ignored=[hf for t in targets if t.scheme is None for hf in t.parts],
             timings_s={k: round(v, 3) for k, v in timings.items()},
             bytes_before=bytes_before, bytes_after=sum(f.stat().st_size for f in shards), notes=notes,

@@ -150,8 +150,16 @@ class SequentialQuantizer:
     """Runs the four steps (module doc) over every decoder layer of `model` (master weights fp32)."""
 
     def __init__(self, model: CausalLM, targets: list[Target], options: SequentialOptions,
-                 windows: torch.Tensor | None, observe_kv: bool = False) -> None:
+                 windows: torch.Tensor | None, observe_kv: bool = False,
+                 load_layer: Callable[[int], None] | None = None,
+                 layer_done: Callable[[int, dict[str, QuantizedModule]], None] | None = None,
+                 after_embedding: Callable[[], None] | None = None) -> None:
+        """Streamed (`load_layer` and `layer_done` given): layer i's weights are filled by `load_layer(i)` just
+        before it is processed, and its quantized modules go to `layer_done(i, modules)` (which may free the
+        layer) instead of the result, so one layer at a time is in memory; `after_embedding()` runs once the
+        calibration windows are embedded (the embedding may be freed then)."""
         self.model = model
+        self.load_layer, self.layer_done, self.after_embedding = load_layer, layer_done, after_embedding
         self.targets = {t.module: t for t in targets}
         self.opt = options
         self.windows = windows
@@ -178,7 +186,11 @@ class SequentialQuantizer:
             per_batch = max(1, self.opt.batch_tokens // self.windows.shape[1])
             batches = embed_batches(self.model, self.windows, per_batch, self.opt.forward_dtype)
             self._time("forward", t0)
+            if self.after_embedding is not None:
+                self.after_embedding()
         for i, layer in enumerate(self.model.layers):
+            if self.load_layer is not None:
+                self.load_layer(i)
             prefix = f"layers.{i}."
             layer_targets = {name[len(prefix):]: t for name, t in self.targets.items()
                              if name.startswith(prefix) and t.scheme is not None}
@@ -186,16 +198,21 @@ class SequentialQuantizer:
             if batches is not None and self._needs_capture(layer_targets):
                 captures = self._capture(layer, layer_targets, batches, f"layers.{i}")
             self._transform(layer, layer_targets, captures)
-            for rel, t in layer_targets.items():
-                modules[t.module] = self._quantize(layer.get_submodule(rel), t, captures.get(rel))
+            done = {t.module: self._quantize(layer.get_submodule(rel), t, captures.get(rel))
+                    for rel, t in layer_targets.items()}
+            del captures
             if batches is not None:
                 t0 = time.perf_counter()
                 fwd = layer_copy(layer, self.opt.forward_dtype)
                 for rel, t in layer_targets.items():
-                    fwd.get_submodule(rel).weight.data = modules[t.module].qw.dequantize(self.opt.forward_dtype)
+                    fwd.get_submodule(rel).weight.data = done[t.module].qw.dequantize(self.opt.forward_dtype)
                 run_layer(fwd, batches, cache)
                 del fwd
                 self._time("forward", t0)
+            if self.layer_done is not None:
+                self.layer_done(i, done)
+            else:
+                modules.update(done)
             if progress:
                 progress(i)
         kv = (cache.k_absmax, cache.v_absmax) if batches is not None and self.observe_kv else (None, None)

@@ -13,7 +13,7 @@ import torch
 
 from llmopt import LLM
 from llmopt.engine.scoring import iter_logits
-from llmopt.quant import pipeline
+from llmopt.quant.export import CheckpointExport
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.report import QuantReport
@@ -28,14 +28,14 @@ HF_SEQS = [list(range(3, 200, 7)), [5, 9, 17, 33]]
 
 def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[QuantReport, dict[str, QuantizedModule]]:
     """quantize_model(...) plus the modules handed to the checkpoint writer."""
-    captured: dict[str, Any] = {}
-    real = pipeline.write_checkpoint
+    captured: dict[str, Any] = {"modules": {}}
+    real = CheckpointExport.add_layer
 
-    def spy(*args, **kwargs):
-        captured["modules"] = args[5]
-        return real(*args, **kwargs)
+    def spy(self, model, index, modules):
+        captured["modules"].update(modules)
+        return real(self, model, index, modules)
 
-    monkeypatch.setattr(pipeline, "write_checkpoint", spy)
+    monkeypatch.setattr(CheckpointExport, "add_layer", spy)
     options.setdefault("device", "cpu")
     options.setdefault("forward_dtype", "float32")
     report = quantize_model(QuantizeConfig(model=str(model), output=out, **options))

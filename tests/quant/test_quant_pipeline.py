@@ -15,7 +15,7 @@ from llmopt import LLM
 from llmopt.calibrate import CalibrateConfig, run_calibration
 from llmopt.engine.scoring import iter_logits
 from llmopt.errors import LlmoptError
-from llmopt.quant import pipeline
+from llmopt.quant.export import CheckpointExport
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 
@@ -100,11 +100,11 @@ def test_calib_dir_of_another_model_is_refused(tiny_llama, tiny_qwen2, tmp_path)
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
 def test_a_crash_mid_write_leaves_no_output(tiny_llama, tmp_path, monkeypatch, exc):
-    def crash(out, *args, **kwargs):
-        (out / "model.safetensors").write_bytes(b"partial")
+    def crash(self, *args, **kwargs):
+        (self.out / "model.safetensors").write_bytes(b"partial")
         raise exc
 
-    monkeypatch.setattr(pipeline, "write_checkpoint", crash)
+    monkeypatch.setattr(CheckpointExport, "finish", crash)
     out = tmp_path / "q"
     with pytest.raises(type(exc)):
         quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w4a16", group_size=32, output=out, device="cpu"))

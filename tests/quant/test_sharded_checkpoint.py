@@ -41,6 +41,25 @@ def test_shards_are_named_and_indexed_as_transformers_writes_them(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(f.name for f in files), INDEX_FILE])
 
 
+def test_every_dtype_a_checkpoint_holds_reads_back_exactly(tmp_path):
+    """The writer lays out safetensors itself (header, then data): safetensors reads back every dtype,
+    shape (0-d and empty included) and value."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"bf16": torch.randn(3, 5, generator=g).bfloat16(), "f32": torch.randn(7, generator=g),
+               "f16": torch.randn(2, 2, generator=g).half(), "i8": torch.randint(-128, 128, (9,), dtype=torch.int8),
+               "i32": torch.randint(-9, 9, (4, 1), dtype=torch.int32), "u8": torch.arange(5, dtype=torch.uint8),
+               "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6, generator=g)[:, ::2]}
+    writer = ShardWriter(tmp_path, max_bytes=64)
+    writer.add(tensors)
+    loaded = {k: v for f in writer.finish() for k, v in load_file(str(f)).items()}
+    assert loaded.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert loaded[k].dtype == t.dtype and loaded[k].shape == t.shape, k
+        assert torch.equal(loaded[k].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), k
+    assert not list(tmp_path.glob(".shard-*"))
+
+
 def test_one_shard_is_a_single_model_safetensors_without_an_index(tmp_path):
     writer = ShardWriter(tmp_path, max_bytes=parse_shard_size("5GB"))
     writer.add(_tensors())
@@ -91,16 +110,16 @@ def test_cli_max_shard_size(tiny_llama, tmp_path, monkeypatch, capsys):
 
 
 def test_a_failure_between_shards_leaves_no_output(tiny_llama, tmp_path, monkeypatch):
-    """The disk fails while the second shard is written: no output directory, no temporary shards."""
-    real, calls = shards.save_file, []
+    """The disk fills while the second shard is written: no output directory, no temporary shards."""
+    real, calls = shards.shutil.copyfileobj, []
 
-    def failing_second(tensors, path, metadata=None):
-        calls.append(path)
+    def failing_second(src, dst, length=0):
+        calls.append(dst)
         if len(calls) == 2:
             raise OSError("No space left on device")
-        return real(tensors, path, metadata=metadata)
+        return real(src, dst, length)
 
-    monkeypatch.setattr(shards, "save_file", failing_second)
+    monkeypatch.setattr(shards.shutil, "copyfileobj", failing_second)
     with pytest.raises(OSError, match="No space"):
         quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w8a16", output=tmp_path / "q", device="cpu",
                                       max_shard_size="30KB"))
