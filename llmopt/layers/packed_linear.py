@@ -80,8 +80,14 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] (K even) -> the flat VNNI layout of bf16_linear.c: N padded to 16 with zero rows, panels of
     PANEL outputs, each [K / 2][width][2]."""
     n, k = weight.shape
-    w = torch.cat([weight, weight.new_zeros(-n % 16, k)]) if n % 16 else weight
-    return torch.cat([p.reshape(-1, k // 2, 2).transpose(0, 1).flatten() for p in w.split(PANEL)])
+    n16 = n + -n % 16
+    out = weight.new_zeros(n16 * k)  # written panel by panel: one copy of the weight, no intermediate ones
+    for p0 in range(0, n, PANEL):
+        width = min(PANEL, n16 - p0)
+        rows = weight[p0:p0 + width]  # the last panel may lack its zero padding rows: they stay zero
+        out[p0 * k:(p0 + width) * k].view(k // 2, width, 2)[:, :rows.shape[0]].copy_(
+            rows.reshape(-1, k // 2, 2).transpose(0, 1))
+    return out
 
 
 def unpack_vnni(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -148,11 +154,15 @@ def pack_linears(model: nn.Module) -> int:
              if type(mod) in (nn.Linear, FusedLinear) and not mod._forward_hooks and not mod._forward_pre_hooks
              and not mod.weight.is_meta and packing_supported(mod.weight.dtype, mod.weight.device)
              and not any(name.startswith(p + ".") for p in experts)]
-    for i, (name, mod) in enumerate(swaps):
+    total = len(swaps)
+    swaps.reverse()
+    while swaps:  # popped, so each plain weight is freed once its packed copy is in (never two models at once)
+        name, mod = swaps.pop()
         try:
             packed = PackedLinear(mod)
         except RuntimeError as e:  # a torch build whose oneDNN lacks the reorder for this dtype
             log.warning("weights stay unpacked (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return i
+            return total - len(swaps) - 1
         set_submodule(model, name, packed)  # keeps a fused projection's output_splits
-    return len(swaps)
+        del mod, packed
+    return total

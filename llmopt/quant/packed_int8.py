@@ -69,7 +69,7 @@ def pack_int8_linears(model: nn.Module) -> int:
     kernel = vnni_kernel()
     if kernel is None:
         return 0
-    swaps = [(name, mod) for name, mod in model.named_modules() if PackedInt8Linear.takes(mod)]
-    for name, mod in swaps:
-        set_submodule(model, name, PackedInt8Linear(mod, kernel))  # keeps a fused projection's output_splits
+    swaps = [name for name, mod in model.named_modules() if PackedInt8Linear.takes(mod)]
+    for name in swaps:  # by name, so each int8 weight is freed once its packed copy is in
+        set_submodule(model, name, PackedInt8Linear(model.get_submodule(name), kernel))  # keeps output_splits
     return len(swaps)

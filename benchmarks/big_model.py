@@ -1,0 +1,183 @@
+"""A model of the size people deploy, end to end, with each stage's peak memory (issue #30).
+
+    python benchmarks/big_model.py [--shape 1b|llama3-8b] [--workdir DIR] [--stages quantize,generate] [--keep]
+
+1. Writes a seeded random checkpoint of a real architecture through transformers itself (`save_pretrained`,
+   bf16, HF shards of 5 GB): `1b` is a 1.2B Llama (hidden 2048, 22 layers, intermediate 5632, GQA 32/4,
+   SmolLM2's 49,152-token vocabulary), `llama3-8b` Llama-3-8B's shape (16 GB in bf16; 128,256 tokens).
+   Speed and memory do not depend on the values.
+2. Runs each stage as its own `python -m llmopt ...` process and samples its /proc status every 20 ms:
+   peak RssAnon (anonymous memory: what the process allocated, without the page cache of the mapped
+   checkpoint) and peak VmRSS, and its wall time.
+   - quantize: W8A16 RTN, W4A16 RTN g128, W4A16 GPTQ g128 (16 windows of 512 tokens);
+   - generate: 64 tokens, greedy, bf16 on the source checkpoint and on each quantized one.
+3. Prints a Markdown table (docs/BENCHMARKS.md keeps it with the command) and deletes each artifact once
+   its stages are measured (`--keep` leaves them). Checks free disk first.
+
+Not part of `make test`: the 1B shape takes minutes on 2 cores, the 8B one much longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CALIB = [REPO / "calibration_data" / "general_prose.jsonl", REPO / "calibration_data" / "kb_calibration.jsonl"]
+
+SHAPES = {
+    "1b": {"hidden_size": 2048, "num_hidden_layers": 22, "intermediate_size": 5632, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "vocab_size": 49152, "tie_word_embeddings": False, "rope_theta": 10000.0,
+           "max_position_embeddings": 2048},
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                  "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+}
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer files, from the embedded model llmopt converts (no download)."""
+    from llmopt.models.resolve import resolve_model, weights_dir
+
+    return weights_dir(resolve_model("smollm2-135m"))
+
+
+def write_checkpoint(shape: str, out: Path, seed: int = 0) -> float:
+    """A seeded random bf16 checkpoint written by transformers' save_pretrained; returns its size in bytes.
+    Parameters are filled one at a time after an uninitialized build (no float32 copy of the model)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_utils import no_init_weights
+
+    cfg = LlamaConfig(**SHAPES[shape], torch_dtype="bfloat16")
+    torch.set_default_dtype(torch.bfloat16)
+    with no_init_weights():
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02))
+    model.save_pretrained(str(out), max_shard_size="5GB")
+    AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir())).save_pretrained(str(out))
+    del model
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def measure(cmd: list[str]) -> dict:
+    """Run `cmd`, sampling its peak RssAnon and VmRSS (kB in /proc/PID/status) every 20 ms."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    peak = {"RssAnon": 0, "VmRSS": 0}
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                key = line.split(":", 1)[0]
+                if key in peak:
+                    peak[key] = max(peak[key], int(line.split()[1]) * 1024)
+        except (OSError, ValueError, IndexError):
+            pass
+        time.sleep(0.02)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
+    return {"seconds": time.perf_counter() - t0, "peak_anon": peak["RssAnon"], "peak_rss": peak["VmRSS"],
+            "output": out}
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="1b")
+    ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--stages", default="quantize,generate")
+    ap.add_argument("--gptq-windows", type=int, default=16)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="llmopt-big-"))
+    work.mkdir(parents=True, exist_ok=True)
+    need = {"1b": 8e9, "llama3-8b": 40e9}[args.shape]
+    free = shutil.disk_usage(work).free
+    if free < need:
+        raise SystemExit(f"{work}: {gb(free)} free, this shape needs {gb(need)}")
+    stages = set(args.stages.split(","))
+    py = [sys.executable, "-m", "llmopt"]
+    src = work / f"{args.shape}-bf16"
+    rows: list[tuple[str, dict, float]] = []
+    if not src.exists():
+        t0 = time.perf_counter()
+        size = write_checkpoint(args.shape, src)
+        print(f"wrote {src}: {gb(size)} in {time.perf_counter() - t0:.0f} s", flush=True)
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    quantized = {
+        "w8a16-rtn": ["--scheme", "w8a16"],
+        "w4a16-rtn": ["--scheme", "w4a16", "--group-size", "128"],
+        "w4a16-gptq": ["--scheme", "w4a16", "--group-size", "128", "--method", "gptq",
+                       "--num-samples", str(args.gptq_windows), "--seq-len", "512",
+                       *[a for c in CALIB for a in ("--calib-data", str(c))]],
+    }
+    gen = ["generate", "--max-tokens", "64", "--prompt", "The capital of France is", "--json"]
+    if "generate" in stages:
+        r = measure([*py, *gen[:1], str(src), "--dtype", "bfloat16", *gen[1:]])
+        rows.append(("generate bf16", r, size))
+        print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+    for name, opts in quantized.items():
+        out = work / name
+        if "quantize" in stages:
+            shutil.rmtree(out, ignore_errors=True)
+            r = measure([*py, "quantize", str(src), *opts, "--device", "cpu", "-o", str(out)])
+            rows.append((f"quantize {name}", r, size))
+            print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+        if "generate" in stages and out.exists():
+            qsize = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+            r = measure([*py, *gen[:1], str(out), "--dtype", "bfloat16", *gen[1:]])
+            rows.append((f"generate {name}", r, qsize))
+            print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(src, ignore_errors=True)
+    print(f"\n{args.shape}: bf16 checkpoint {gb(size)}, CPU {cpu()}, torch threads {os.environ.get('OMP_NUM_THREADS', 'all')}")
+    print("| stage | peak RssAnon | vs the bf16 checkpoint | peak VmRSS | time | decode |")
+    print("|---|---|---|---|---|---|")
+    for name, r, _ in rows:
+        rate = _decode_rate(r["output"]) if name.startswith("generate") else ""
+        print(f"| {name} | {gb(r['peak_anon'])} | {r['peak_anon'] / size:.2f}x | {gb(r['peak_rss'])} "
+              f"| {r['seconds']:.0f} s | {rate} |")
+
+
+def _decode_rate(output: str) -> str:
+    """generate --json's decode speed."""
+    m = re.search(r"\{.*\}", output, re.S)
+    try:
+        rate = json.loads(m.group(0)).get("decode_tok_s") if m else None
+    except json.JSONDecodeError:
+        rate = None
+    return f"{rate} tok/s" if rate else ""
+
+
+def cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
