@@ -55,7 +55,7 @@ def write_checkpoint(shape: str, out: Path, seed: int = 0) -> float:
     Parameters are filled one at a time after an uninitialized build (no float32 copy of the model)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_utils import no_init_weights
+    from transformers.initialization import no_init_weights
 
     cfg = LlamaConfig(**SHAPES[shape], torch_dtype="bfloat16")
     torch.set_default_dtype(torch.bfloat16)

@@ -12,6 +12,7 @@ path. ctypes releases the GIL for each call.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -34,6 +35,7 @@ HEADERS = [Path(__file__).with_name("native_bf16.h")]  # shared by the kernels, 
 
 T = TypeVar("T")
 _loaded: dict[Path, object] = {}  # source -> the wrapped library, or None once a build failed
+_libc: ctypes.CDLL | bool | None = None  # for trim_heap: None until looked up, False where there is none
 
 
 class KernelBuildError(RuntimeError):
@@ -58,6 +60,22 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim; a no-op elsewhere). Why: after a large
+    tensor is freed, glibc raises its mmap threshold, so later tensors of that size come from the heap,
+    whose freed pages it keeps; a streamed loop that frees a layer per step would otherwise grow its
+    resident memory by the layer size until the heap happens to be reused."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
 
 
 def cpu_has(feature: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import llmopt.native as native
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import output_splits
 from llmopt.models.base import CausalLM
@@ -85,8 +86,10 @@ def _move_params(model: CausalLM, prefix: str | None, device: str | torch.device
 
 
 def release(model: CausalLM, prefix: str) -> None:
-    """Give a filled module's memory back: its parameters return to the meta device."""
+    """Give a filled module's memory back: its parameters return to the meta device, and freed heap memory to
+    the OS (`native.trim_heap`)."""
     _move_params(model, prefix, "meta")
+    native.trim_heap()
 
 
 def build_empty(resolved: ResolvedModel, dtype: torch.dtype, device: str | torch.device) -> CausalLM:

@@ -24,6 +24,7 @@ import torch
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears
 from llmopt.models.base import CausalLM
+from llmopt.models.reader import CheckpointTensors
 from llmopt.models.shards import INDEX_FILE, ShardWriter
 from llmopt.quant.kv_scales import KV_SCALES_FILE, write_kv_scales
 from llmopt.quant.pack_compressed import (
@@ -133,7 +134,8 @@ def _checkpoint_order(name: str) -> tuple:
 
 class CheckpointExport:
     """Writes a quantized checkpoint into `out` as its decoder layers finish (the streamed quantizer hands
-    each one over, then frees it), then the rest: embeddings, final norm and head, config.json (with
+    each one over, then frees it), then the rest: embeddings, final norm and head (as the source stores
+    them), config.json (with
     quantization_config), tokenizer and generation config, and `kv_cache_scales.json` when KV scales
     ([layers, kv_heads] K and V) are given. Tensors go to safetensors shards of at most `max_shard_bytes`
     (`models.shards`) as they come."""
@@ -155,10 +157,14 @@ class CheckpointExport:
             tensors.update(_module_tensors(qm, self.fmt))
         self._add(tensors)
 
-    def finish(self, model: CausalLM, source_dir: Path, source_config: dict[str, Any],
+    def finish(self, source: CheckpointTensors, source_dir: Path, source_config: dict[str, Any], tied: bool,
                kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[Path]:
-        """Everything outside the decoder layers (filled in `model` by then); returns the shard files."""
-        self._add(float_tensors(model, self.targets, lambda name: not name.startswith("layers.")))
+        """Everything outside the decoder layers (embeddings, final norm, head: never quantized nor folded), copied
+        from the `source` checkpoint one tensor at a time, in its own dtype; returns the shard files."""
+        for name in sorted(source.names(), key=_checkpoint_order):
+            if name.startswith("model.layers.") or "rotary_emb" in name or (tied and name == "lm_head.weight"):
+                continue
+            self._add({name: source.get(name)})
         shards = self.writer.finish()
         if kv_scales is not None:
             write_kv_scales(self.out, *kv_scales)

@@ -61,8 +61,9 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
 
     Streamed: the model is built on the meta device and each decoder layer is read from the checkpoint
     only when it is processed, in float32 on the compute device, then written to the output and freed
-    (`SequentialQuantizer`'s load_layer / layer_done). The embeddings are read for the calibration
-    embedding and again for the output, the final norm and head only for the output. So memory holds one
+    (`SequentialQuantizer`'s load_layer / layer_done). The embeddings are read (in float32) for the
+    calibration embedding only; they, the final norm and the head go to the output as the source stores
+    them, one tensor at a time. So memory holds one
     layer (plus its calibration activations and statistics), never the model: a model larger than the
     host's memory or the GPU quantizes on it (docs/QUANTIZE.md, "How big a model")."""
     from llmopt.devices import resolve_device
@@ -132,10 +133,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
         if cfg.kv_cache is not None:
             assert result.k_absmax is not None and result.v_absmax is not None
             kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
-        for prefix in ("embed_tokens", "norm", *(() if resolved.spec.tie_word_embeddings else ("lm_head",))):
-            load(prefix)
         t0 = time.perf_counter()
-        shards = export.finish(model, directory, resolved.config, kv)
+        shards = export.finish(checkpoint, directory, resolved.config, resolved.spec.tie_word_embeddings, kv)
         timings = {"load weights": load_s, "sample calibration data": sample_s, **result.timings}
         timings["write checkpoint"] = timings.get("write checkpoint", 0.0) + time.perf_counter() - t0
         timings["total"] = time.perf_counter() - started

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+import llmopt.native as native
 from llmopt.calibrate.forward import InputHook, KVObserver, embed_batches, layer_copy, run_layer
 from llmopt.layers.linear import output_splits
 from llmopt.layers.moe import SparseMoeBlock
@@ -333,6 +334,9 @@ class SequentialQuantizer:
             qw = rtn_quantize(w, ws)
         w_hat = qw.dequantize()
         out_err = _output_rel_err(cap.sample().to(w.device), w, w_hat) if cap is not None else None
+        weight_err = _rel(w_hat, w)
+        del w_hat
+        native.trim_heap()  # GPTQ's Hessian inverse and blocks, the dequantized copy: freed, and given back
         seconds = time.perf_counter() - t0
         self._time(f"quantize ({method})", t0)
-        return QuantizedModule(t, qw, bias, method, _rel(w_hat, w), out_err, loss, seconds)
+        return QuantizedModule(t, qw, bias, method, weight_err, out_err, loss, seconds)

@@ -4,8 +4,11 @@ layers, for every method, and an interrupted run leaves no output."""
 from __future__ import annotations
 
 import pytest
+import torch
 from _pipeline_helpers import calib_options
 
+from llmopt import LLM, SamplingParams
+from llmopt.models.reader import CheckpointTensors
 from llmopt.quant.export import CheckpointExport
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
@@ -68,3 +71,18 @@ def test_an_interrupted_quantize_leaves_no_partial_output(shallow_and_deep, tmp_
         quantize_model(QuantizeConfig(model=str(shallow_and_deep[1]), output=tmp_path / "q", device="cpu",
                                       scheme="w8a16", max_shard_size="100KB"))
     assert done == [0] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embeddings_norm_and_head_are_copied_from_the_source_as_stored(tmp_path, tied):
+    """Never quantized nor folded, so they go to the output as the source stores them (bf16 stays bf16, bit for
+    bit), one tensor at a time; a tied head is not written twice. Our engine loads the result."""
+    src = write_tiny_llama(tmp_path / "bf16", dtype="bfloat16", tie_word_embeddings=tied, **SHAPE)
+    quantize_model(QuantizeConfig(model=str(src), output=tmp_path / "q", scheme="w8a16", device="cpu"))
+    source, out = CheckpointTensors(src), CheckpointTensors(tmp_path / "q")
+    outer = ["model.embed_tokens.weight", "model.norm.weight", *([] if tied else ["lm_head.weight"])]
+    assert sorted(n for n in out.names() if not n.startswith("model.layers.")) == sorted(outer)
+    for name in outer:
+        assert out.get(name).dtype == torch.bfloat16 and torch.equal(out.get(name), source.get(name)), name
+    llm = LLM(str(tmp_path / "q"), dtype="float32", device="cpu", num_kv_blocks=8)
+    assert len(llm.generate([[5, 9, 17]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
