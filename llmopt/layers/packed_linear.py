@@ -150,19 +150,15 @@ def pack_linears(model: nn.Module) -> int:
     """Swap every plain dense bf16/fp16 CPU Linear of `model` for a PackedLinear; returns how many. Quantized
     modules, linears with hooks and MoE experts (the grouped path stacks their plain weights) are kept."""
     experts = [name for name, mod in model.named_modules() if isinstance(mod, SparseMoeBlock)]
-    swaps = [(name, mod) for name, mod in model.named_modules()
+    names = [name for name, mod in model.named_modules()
              if type(mod) in (nn.Linear, FusedLinear) and not mod._forward_hooks and not mod._forward_pre_hooks
              and not mod.weight.is_meta and packing_supported(mod.weight.dtype, mod.weight.device)
              and not any(name.startswith(p + ".") for p in experts)]
-    total = len(swaps)
-    swaps.reverse()
-    while swaps:  # popped, so each plain weight is freed once its packed copy is in (never two models at once)
-        name, mod = swaps.pop()
+    for i, name in enumerate(names):  # by name, so each plain weight is freed once its packed copy is in
         try:
-            packed = PackedLinear(mod)
+            packed = PackedLinear(model.get_submodule(name))
         except RuntimeError as e:  # a torch build whose oneDNN lacks the reorder for this dtype
             log.warning("weights stay unpacked (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return total - len(swaps) - 1
+            return i
         set_submodule(model, name, packed)  # keeps a fused projection's output_splits
-        del mod, packed
-    return total
+    return len(names)

@@ -1,8 +1,9 @@
 """Write a quantized model as a Hugging Face checkpoint in the GPTQ or compressed-tensors format.
 
-Quantized fused weights are split back into HF projections by rows (see `rows`); everything that is
-not quantized (embeddings, norms — with any AWQ/SmoothQuant folding applied — lm_head, ignored
-linears) is written in the dtype it was loaded in, so nothing is lost beyond the quantization itself.
+Quantized fused weights are split back into HF projections by rows (see `rows`); nothing else is lost:
+the embeddings, final norm and lm_head are copied from the source as it stores them, and the norms
+inside layers (with any AWQ/SmoothQuant folding applied) and ignored linears are written in float32,
+the quantizer's working dtype.
 config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the int4/int8 kernels then run
 on bf16 activations, their fast path; `--dtype float32` still loads every stored tensor exactly.
 
@@ -135,14 +136,13 @@ def _checkpoint_order(name: str) -> tuple:
 class CheckpointExport:
     """Writes a quantized checkpoint into `out` as its decoder layers finish (the streamed quantizer hands
     each one over, then frees it), then the rest: embeddings, final norm and head (as the source stores
-    them), config.json (with
-    quantization_config), tokenizer and generation config, and `kv_cache_scales.json` when KV scales
-    ([layers, kv_heads] K and V) are given. Tensors go to safetensors shards of at most `max_shard_bytes`
-    (`models.shards`) as they come."""
+    them), config.json (with quantization_config), tokenizer and generation config, and
+    `kv_cache_scales.json` when KV scales ([layers, kv_heads] K and V) are given. Tensors go to
+    safetensors shards of at most `max_shard_bytes` (`models.shards`) as they come."""
 
     def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
                  max_shard_bytes: int) -> None:
-        self.out, self.targets, self.fmt, self.act_order, self.damp = out, targets, fmt, act_order, damp
+        self.out, self.targets, self.fmt = out, targets, fmt
         self.qcfg = quantization_config(targets, fmt, act_order, damp)  # fails before any work
         self.writer = ShardWriter(out, max_shard_bytes)
 

@@ -63,9 +63,9 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     only when it is processed, in float32 on the compute device, then written to the output and freed
     (`SequentialQuantizer`'s load_layer / layer_done). The embeddings are read (in float32) for the
     calibration embedding only; they, the final norm and the head go to the output as the source stores
-    them, one tensor at a time. So memory holds one
-    layer (plus its calibration activations and statistics), never the model: a model larger than the
-    host's memory or the GPU quantizes on it (docs/QUANTIZE.md, "How big a model")."""
+    them, one tensor at a time. So memory holds one layer (plus its calibration activations and
+    statistics), never the model: a model larger than the host's memory or the GPU quantizes on it
+    (docs/QUANTIZE.md, "How big a model")."""
     from llmopt.devices import resolve_device
     from llmopt.models.loader import build_empty, fill_module, release
     from llmopt.models.reader import CheckpointTensors
@@ -100,7 +100,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
                              smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=DTYPES[cfg.forward_dtype],
                              batch_tokens=cfg.batch_tokens)
     bytes_before = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    load_s = 0.0
+    load_s = write_s = 0.0
     module_reports: list[ModuleReport] = []
 
     def load(prefix: str) -> None:
@@ -113,14 +113,15 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
         export = CheckpointExport(tmp, targets, cfg.format, cfg.act_order, cfg.damp, max_shard_bytes)
 
         def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
+            nonlocal write_s
             t = time.perf_counter()
             module_reports.extend(ModuleReport.of(qm) for qm in modules.values())
             export.add_layer(model, i, modules)
             release(model, f"layers.{i}")
-            runner.timings["write checkpoint"] = runner.timings.get("write checkpoint", 0.0) + time.perf_counter() - t
+            write_s += time.perf_counter() - t
 
         if windows is not None:
-            load("embed_tokens")  # embed_batches embeds the windows before layer 0; freed until the export
+            load("embed_tokens")  # embed_batches embeds the windows before layer 0; freed once they are
         runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None,
                                      load_layer=lambda i: load(f"layers.{i}"), layer_done=layer_done,
                                      after_embedding=lambda: release(model, "embed_tokens"))
@@ -135,8 +136,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
         t0 = time.perf_counter()
         shards = export.finish(checkpoint, directory, resolved.config, resolved.spec.tie_word_embeddings, kv)
-        timings = {"load weights": load_s, "sample calibration data": sample_s, **result.timings}
-        timings["write checkpoint"] = timings.get("write checkpoint", 0.0) + time.perf_counter() - t0
+        timings = {"load weights": load_s, "sample calibration data": sample_s, **result.timings,
+                   "write checkpoint": write_s + time.perf_counter() - t0}
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
             model=resolved.source, output=str(cfg.output), format=cfg.format,
