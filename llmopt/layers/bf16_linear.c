@@ -28,6 +28,7 @@
 #define MT 6       // activation rows per pass over a panel: MT * NV accumulators, NV weight vectors, 1 broadcast
 #define M_CHUNK 48 // activation rows per work item: a big batch is split over rows as well as panels
 #define WIDEN_ROWS 16 // int8: past this many rows, panels are widened to bf16 once per work item
+#define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
 
 int bf16_linear_available(void) {
 #ifdef __AVX512BF16__
@@ -201,54 +202,78 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, i
     }
 }
 
-// bf16_linear's contract on AMX tiles; K a multiple of 32 (the caller checks). int8 panels are widened to bf16
-// once per work item, as the VNNI kernel does past WIDEN_ROWS. Returns 0; 1 without AMX here; 2 out of memory.
-int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
-                    const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
-    if (!bf16_linear_amx_available() || K % AMX_K) return 1;
-    const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL;
-    const int64_t chunk = 2 * AMX_ROWS, chunks = (M + chunk - 1) / chunk;
+// One work item on AMX tiles: rows x[m0..m_end) against one bf16 panel, in blocks of 32 rows x 32 outputs. conf
+// holds the rows this thread's tiles are configured for ({-1, -1} before its first item).
+static void amx_item(const uint16_t *x, int64_t m0, int64_t m_end, int64_t K, const uint16_t *w, int64_t width,
+                     int64_t valid, const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int conf[2]) {
+    for (; m0 < m_end; m0 += 2 * AMX_ROWS) {
+        const int64_t rows = m_end - m0 < 2 * AMX_ROWS ? m_end - m0 : 2 * AMX_ROWS;
+        const int a0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, a1 = (int)rows - a0;
+        if (a0 != conf[0] || a1 != conf[1]) amx_configure(a0, a1), conf[0] = a0, conf[1] = a1;
+        const uint16_t *xm = x + m0 * K;
+        uint16_t *ym = y + m0 * N;
+        for (int v = 0; v < width / 16; v += 2) {
+            const int two = v + 1 < width / 16;
+            if (a1 && two) amx_block(xm, a0, a1, 1, K, w, width, v, 1, scale, bias, ym, N, valid);
+            else if (a1) amx_block(xm, a0, a1, 1, K, w, width, v, 0, scale, bias, ym, N, valid);
+            else if (two) amx_block(xm, a0, 0, 0, K, w, width, v, 1, scale, bias, ym, N, valid);
+            else amx_block(xm, a0, 0, 0, K, w, width, v, 0, scale, bias, ym, N, valid);
+        }
+    }
+}
+#define HAVE_AMX 1
+#else
+int bf16_linear_amx_available(void) { return 0; }
+#endif
+
+#ifdef __AVX512BF16__
+// The work both paths share: items of one panel x `chunk` rows over the threads, each int8 panel widened to bf16
+// once per item when `widen`, then the rows of the item by AMX tiles (`amx`) or VNNI passes of MT rows.
+static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
+               const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int amx) {
+    const int64_t chunk = amx ? AMX_ITEM : M_CHUNK;
+    const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + chunk - 1) / chunk;
+    const int widen = int8 && (amx || M > WIDEN_ROWS);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        uint16_t *buf = int8 ? thread_buffer((size_t)(PANEL * K)) : NULL;
-        int64_t held = -1;
-        int conf0 = -1, conf1 = -1;  // the rows this thread's tiles are configured for
-        failed = int8 && !buf;
+        uint16_t *buf = widen ? thread_buffer((size_t)(PANEL * K)) : NULL;
+        int64_t held = -1;  // the panel in buf
+#ifdef HAVE_AMX
+        int conf[2] = {-1, -1};  // the rows this thread's tiles are configured for
+#endif
+        failed = widen && !buf;
         #pragma omp for collapse(2) schedule(static)
         for (int64_t p = 0; p < panels; p++)
             for (int64_t c = 0; c < chunks; c++) {
                 if (failed) continue;
                 const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
                 const int64_t valid = N - n0 < width ? N - n0 : width;
-                const uint16_t *w = (const uint16_t *)wp + n0 * K;
-                if (int8) {
-                    if (held != p) widen_panel((const int8_t *)wp + n0 * K, width * K, buf);
-                    held = p, w = buf;
+                const int64_t m_end = (c + 1) * chunk < M ? (c + 1) * chunk : M;
+                const void *w = int8 ? (const void *)((const int8_t *)wp + n0 * K)
+                                     : (const void *)((const uint16_t *)wp + n0 * K);
+                int w8 = int8;
+                if (widen) {
+                    if (held != p) widen_panel((const int8_t *)w, width * K, buf);
+                    held = p, w = buf, w8 = 0;
                 }
-                const int64_t m0 = c * chunk, rows = M - m0 < chunk ? M - m0 : chunk;
-                const int a0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, a1 = (int)rows - a0;
-                if (a0 != conf0 || a1 != conf1) amx_configure(a0, a1), conf0 = a0, conf1 = a1;
                 const uint16_t *sp = scale ? scale + n0 : NULL, *bp = bias ? bias + n0 : NULL;
-                for (int v = 0; v < width / 16; v += 2) {
-                    const int two = v + 1 < width / 16;
-                    if (a1 && two) amx_block(x + m0 * K, a0, a1, 1, K, w, width, v, 1, sp, bp, y + m0 * N + n0, N, valid);
-                    else if (a1) amx_block(x + m0 * K, a0, a1, 1, K, w, width, v, 0, sp, bp, y + m0 * N + n0, N, valid);
-                    else if (two) amx_block(x + m0 * K, a0, 0, 0, K, w, width, v, 1, sp, bp, y + m0 * N + n0, N, valid);
-                    else amx_block(x + m0 * K, a0, 0, 0, K, w, width, v, 0, sp, bp, y + m0 * N + n0, N, valid);
+#ifdef HAVE_AMX
+                if (amx) {
+                    amx_item(x, c * chunk, m_end, K, (const uint16_t *)w, width, valid, sp, bp, y + n0, N, conf);
+                    continue;
+                }
+#endif
+                for (int64_t m0 = c * chunk; m0 < m_end; m0 += MT) {
+                    const int64_t mt = m_end - m0 < MT ? m_end - m0 : MT;
+                    panel(x + m0 * K, (int)mt, K, w, w8, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid);
                 }
             }
-        if (conf0 >= 0) _tile_release();
+#ifdef HAVE_AMX
+        if (conf[0] >= 0) _tile_release();
+#endif
     }
     return failed ? 2 : 0;
-}
-#else
-int bf16_linear_amx_available(void) { return 0; }
-
-int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
-                    const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
-    (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
-    return 1;
 }
 #endif
 
@@ -260,38 +285,21 @@ int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
 int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
                 const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__
-    const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
-    const int widen = int8 && M > WIDEN_ROWS;
-    int failed = 0;
-    #pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        uint16_t *buf = widen ? thread_buffer((size_t)(PANEL * K)) : NULL;
-        int64_t held = -1;  // the panel in buf
-        failed = widen && !buf;
-        #pragma omp for collapse(2) schedule(static)
-        for (int64_t p = 0; p < panels; p++)
-            for (int64_t c = 0; c < chunks; c++) {
-                if (failed) continue;
-                const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
-                const int64_t valid = N - n0 < width ? N - n0 : width;
-                const int64_t m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
-                const void *w = int8 ? (const void *)((const int8_t *)wp + n0 * K)
-                                     : (const void *)((const uint16_t *)wp + n0 * K);
-                int w8 = int8;
-                if (widen) {
-                    if (held != p) widen_panel((const int8_t *)w, width * K, buf);
-                    held = p, w = buf, w8 = 0;
-                }
-                for (int64_t m0 = c * M_CHUNK; m0 < m_end; m0 += MT) {
-                    const int64_t mt = m_end - m0 < MT ? m_end - m0 : MT;
-                    panel(x + m0 * K, (int)mt, K, w, w8, (int)(width / 16), scale ? scale + n0 : NULL,
-                          bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid);
-                }
-            }
-    }
-    return failed ? 2 : 0;
+    return run(x, M, K, wp, int8, scale, bias, N, y, nthreads, 0);
 #else
     (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
     return 1;
 #endif
+}
+
+// bf16_linear's contract on AMX tiles; K a multiple of 32 (the caller checks). int8 panels are widened to bf16
+// once per work item. Returns 1 where the CPU, compiler or OS lends no AMX.
+int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
+                    const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
+#ifdef HAVE_AMX
+    if (bf16_linear_amx_available() && K % AMX_K == 0) return run(x, M, K, wp, int8, scale, bias, N, y, nthreads, 1);
+#else
+    (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
+#endif
+    return 1;
 }
