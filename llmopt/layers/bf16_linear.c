@@ -122,7 +122,8 @@ static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
 // does 16 x 2. packed_linear.py's AMX_MIN_ROWS picks it by rows: bf16 from one row (at one row both kernels read
 // the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 past a few rows (its
 // panels are widened to bf16 first). Past ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call
-// (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles and k blocking for L1 were tried and were slower.
+// (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
+// tried and did not pay.
 #include <sys/syscall.h>
 #include <unistd.h>
 
