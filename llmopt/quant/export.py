@@ -48,8 +48,7 @@ INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
 }
 
 
-def float_tensors(model: CausalLM, targets: list[Target],
-                  within: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str], bool]) -> dict[str, torch.Tensor]:
     """Every tensor not replaced by quantized ones whose parameter name `within` takes, under HF names (fused
     float linears split by rows)."""
     quantized = {t.module for t in targets if t.scheme is not None}
