@@ -41,13 +41,10 @@ def fill_module(model: CausalLM, tensors: CheckpointTensors, prefix: str | None 
     params = dict(model.named_parameters(remove_duplicate=False))
     inside = (lambda name: True) if prefix is None else (lambda name: name.startswith(prefix + "."))
     loaded: set[str] = set()
+    wanted = [name for name in tensors.names() if "rotary_emb" not in name and inside(type(model).hf_to_ours(name)[0])]
     with torch.no_grad():
-        for name in tensors.names():
-            if "rotary_emb" in name:
-                continue
+        for name, tensor in tensors.read(wanted):
             ours, shard = type(model).hf_to_ours(name)
-            if not inside(ours):
-                continue
             if ours not in params:
                 raise LlmoptError(f"{tensors.where[name].name}: unexpected tensor {name!r} (does config.json's "
                                   f"architecture match the weights?)")
@@ -55,7 +52,6 @@ def fill_module(model: CausalLM, tensors: CheckpointTensors, prefix: str | None 
             if shard is not None:  # the rows of one projection inside a fused linear
                 lo, hi = output_splits(model.get_submodule(ours.rsplit(".", 1)[0]))[shard]
                 target = target[lo:hi]
-            tensor = tensors.get(name)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise LlmoptError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
             target.copy_(tensor)

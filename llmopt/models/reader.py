@@ -6,6 +6,7 @@ read from its shard only when it is filled in, and a model never has to be in me
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +32,18 @@ class CheckpointTensors:
     def get(self, name: str) -> torch.Tensor:
         with safe_open(str(self.where[name]), framework="pt") as st:
             return st.get_tensor(name)
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for each of `names`, opening each file once: opening per tensor parses the file's
+        header again each time, quadratic in the tensors of a shard (thousands in an MoE checkpoint). Each
+        call opens the files afresh, so no two calls share a tensor's storage."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.where[name], []).append(name)
+        for f, in_file in by_file.items():
+            with safe_open(str(f), framework="pt") as st:
+                for name in in_file:
+                    yield name, st.get_tensor(name)
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self else None

@@ -160,10 +160,10 @@ class CheckpointExport:
                kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[Path]:
         """Everything outside the decoder layers (embeddings, final norm, head: never quantized nor folded), copied
         from the `source` checkpoint one tensor at a time, in its own dtype; returns the shard files."""
-        for name in sorted(source.names(), key=_checkpoint_order):
-            if name.startswith("model.layers.") or "rotary_emb" in name or (tied and name == "lm_head.weight"):
-                continue
-            self._add({name: source.get(name)})
+        outer = [name for name in sorted(source.names(), key=_checkpoint_order)
+                 if not (name.startswith("model.layers.") or "rotary_emb" in name or (tied and name == "lm_head.weight"))]
+        for name, tensor in source.read(outer):
+            self._add({name: tensor})
         shards = self.writer.finish()
         if kv_scales is not None:
             write_kv_scales(self.out, *kv_scales)
