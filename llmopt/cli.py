@@ -445,7 +445,8 @@ def eval_(
                                 "model through lm-eval's HFLM, a cross-check)."),
     gate: list[str] = typer.Option([], "--gate", help="METRIC OP NUMBER, e.g. ppl_increase_pct<=5, acc_drop<=1.0, "
                                    "top1_agreement>=0.9; repeatable."),
-    dtype: str = typer.Option("float32", help="float32|bfloat16|float16 for both models."),
+    dtype: str = typer.Option("auto", help="auto (each checkpoint's own, as vLLM)|float32|bfloat16|float16 for "
+                              "both models."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
     kv_cache_dtype: str = typer.Option("auto", help="Candidate KV cache: auto|int8."),
     baseline_dtype: Optional[str] = typer.Option(None, help="Baseline dtype (default: --dtype)."),
@@ -465,7 +466,7 @@ def eval_(
                        max_tokens=max_tokens, tasks=task, limit=limit, harness=harness, gates=gate, dtype=dtype,
                        device=device, kv_cache_dtype=kv_cache_dtype, baseline_dtype=baseline_dtype,
                        baseline_kv_cache_dtype=baseline_kv_cache_dtype, max_batch_tokens=max_batch_tokens,
-                       report=report, bisect=bisect, bisect_plot=bisect_plot)
+                       kl_top_k=kl_top_k, report=report, bisect=bisect, bisect_plot=bisect_plot)
     eval_command(opts, as_json=as_json, console=console, err_console=err_console)
 
 
@@ -478,6 +479,8 @@ def _error(message: str) -> None:
 @app.command("run")
 def run(
     recipe: str = typer.Argument(..., help="Recipe YAML (see recipes/ and docs/RECIPES.md)."),
+    kl_top_k: int = typer.Option(256, help="Baseline log-probs kept per token for KL and top-1 (8 bytes each; "
+                                 "KL over the top-k plus one bucket for the rest, a lower bound)."),
     out: Optional[str] = typer.Option(None, "--out", help="Run directory (default: runs/RECIPE_NAME)."),
     stages: Optional[str] = typer.Option(None, "--stages", help="Only these stages, comma-separated: vram_plan, "
                                          "calibrate, quantize, eval, serve, bench."),

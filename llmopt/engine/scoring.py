@@ -21,6 +21,16 @@ def iter_logits(engine: LLMEngine, sequences: list[list[int]],
                 max_batch_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (index, float32 logits [len, vocab]) for each sequence; several sequences share a forward
     pass while their total length stays within `max_batch_tokens` (default: the engine's token budget)."""
+    for idx, hidden in iter_hidden(engine, sequences, max_batch_tokens):
+        yield idx, engine.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def iter_hidden(engine: LLMEngine, sequences: list[list[int]],
+                max_batch_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (index, final hidden states [len, hidden]) for each sequence, batched as `iter_logits`. Why:
+    a caller that needs the logits of a few rows (perplexity scores only a window's new tokens) computes
+    them in row chunks, and never holds a whole [len, vocab] block (1 GB for 2k tokens of a 128k vocab)."""
     if engine.has_unfinished_requests():
         raise LlmoptError("scoring needs an idle engine (requests are still running)")
     budget = max_batch_tokens or max(engine.config.max_num_batched_tokens, max(map(len, sequences), default=1))
@@ -50,7 +60,7 @@ def iter_logits(engine: LLMEngine, sequences: list[list[int]],
             start = 0
             for idx, seq in (batch[j] for j in inp.order):  # in row order
                 n = seq.num_tokens
-                yield idx, engine.model.compute_logits(hidden[start:start + n])
+                yield idx, hidden[start:start + n]
                 start += n
         finally:
             for _, seq in batch:

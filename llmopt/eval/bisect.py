@@ -14,8 +14,10 @@ quantized via a `quantization_config` —, an INT8 KV cache, a lower-precision d
    `top1_agreement`, `ppl_increase_pct`) pass (binary search over k, ~log2(layers) measurements), and
    suggest the matching `llmopt quantize --ignore` regexes.
 
-All measurements use the same first tokens of the eval text (up to ~1 GiB of cached float32 baseline
-logits) and the same windows as the perplexity run, so they are comparable with each other.
+All measurements use the same first tokens of the eval text (tokens x vocabulary up to 2^28, e.g. 5,461
+tokens of SmolLM2), the same windows as the perplexity run, and the baseline's top-k log-probs recorded
+once (`divergence.BaselineTopK`), so they are comparable with each other. Bisect swaps layers between the
+two models, so unlike the rest of `eval` it holds both in memory.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ import torch
 
 from llmopt.engine.llm import LLM
 from llmopt.engine.llm_engine import LLMEngine
-from llmopt.engine.scoring import iter_logits
-from llmopt.eval.divergence import DivergenceStats, token_divergence
+from llmopt.eval.divergence import BaselineTopK
 from llmopt.eval.engines import EngineOptions, build_llm
-from llmopt.eval.perplexity import NllStats, Window, make_windows, token_nll
+from llmopt.eval.perplexity import score_text
 from llmopt.gates import Gate
 from llmopt.io import atomic_write
 
-_CACHE_BYTES = 1 << 30
+# tokens x vocabulary of the bisect text: bounds the cost of each of its ~layers + log2(layers) measurements
+_TOKEN_VOCAB_BUDGET = 1 << 28
 TEXT_METRICS = ("kl_div", "top1_agreement", "ppl_increase_pct")
 
 
@@ -72,25 +74,17 @@ class BisectResult:
 
 
 class _Reference:
-    """The baseline's logits on the bisect windows, computed once and reused for every measurement."""
+    """The baseline's top-k log-probs on the bisect tokens, recorded once and compared against by every
+    measurement (`divergence.BaselineTopK`)."""
 
-    def __init__(self, engine: LLMEngine, ids: list[int], windows: list[Window]):
-        self.ids, self.windows = ids, windows
-        self.logits: list[torch.Tensor] = [torch.empty(0)] * len(windows)
-        self.nll = NllStats()
-        seqs = [ids[w.begin:w.end] for w in windows]
-        for j, logits in iter_logits(engine, seqs):
-            w = windows[j]
-            self.nll.add(token_nll(logits, torch.tensor(seqs[j]), w.score_from))
-            self.logits[j] = logits[w.score_from - 1:w.length - 1].clone()
+    def __init__(self, engine: LLMEngine, ids: list[int], seq_len: int):
+        self.ids, self.seq_len = ids, seq_len
+        self.topk = BaselineTopK()
+        self.nll = score_text(engine, ids, seq_len, record=self.topk).nll[0]
 
     def measure(self, engine: LLMEngine, label: str) -> Measurement:
-        seqs = [self.ids[w.begin:w.end] for w in self.windows]
-        div, nll = DivergenceStats(), NllStats()
-        for j, logits in iter_logits(engine, seqs):
-            w = self.windows[j]
-            nll.add(token_nll(logits, torch.tensor(seqs[j]), w.score_from))
-            div.add(*token_divergence(self.logits[j], logits[w.score_from - 1:w.length - 1]))
+        s = score_text(engine, self.ids, self.seq_len, compare_to=self.topk)
+        div, nll = s.divergence, s.nll[0]
         return Measurement(label, div.kl_div, div.top1_agreement, nll.ppl, 100.0 * (nll.ppl / self.nll.ppl - 1.0))
 
 
@@ -155,12 +149,11 @@ def run_bisect(baseline: LLM, candidate: LLM, candidate_model: str | None, basel
                gates: list[Gate], plot: Path | None = None,
                progress: Callable[[str, int, int], None] | None = None) -> BisectResult:
     vocab = candidate.engine.spec.vocab_size
-    max_tokens = max(seq_len, (_CACHE_BYTES // (4 * vocab)) // seq_len * seq_len)
+    max_tokens = max(seq_len, (_TOKEN_VOCAB_BUDGET // vocab) // seq_len * seq_len)
     ids = token_ids[:max_tokens]
-    windows = make_windows(len(ids), seq_len)
-    ref = _Reference(baseline.engine, ids, windows)
+    ref = _Reference(baseline.engine, ids, seq_len)
     cand = ref.measure(candidate.engine, "candidate")
-    result = BisectResult(sum(w.num_scored for w in windows), cand)
+    result = BisectResult(ref.nll.tokens, cand)
     text_gates = [g for g in gates if g.metric in TEXT_METRICS]
 
     def record(label: str, what: str, m: Measurement) -> None:

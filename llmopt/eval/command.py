@@ -33,7 +33,8 @@ def eval_command(opts: EvalOptions, as_json: bool = False, console: Console | No
                 tasks[label] = bar.add_task(label, total=total)
             bar.update(tasks[label], completed=done, total=total)
 
-        report = run_eval(opts, progress)
+        report = run_eval(opts, progress, notify=lambda line: err_console.print(line, markup=False,
+                                                                               highlight=False))
     if as_json:
         sys.stdout.write(render_json(report) + "\n")
     else:

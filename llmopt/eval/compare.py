@@ -2,9 +2,11 @@
 
 Everything that can be wrong with the input (data files, task YAMLs, templates, gate expressions,
 gate metrics that this run would not measure) is checked *before* any model is loaded, so a typo
-costs a second, not a perplexity run. Then both models are loaded (SmolLM2-class models fit twice
-easily; the KV pools are sized for scoring, not serving), the eval text is scored by both in lockstep
-(perplexity of each, KL(baseline || candidate), top-1 agreement), and each task runs on both.
+costs a second, not a perplexity run. Then the models run one after the other, so an 8B baseline and
+its candidate need the memory of one: the baseline scores the eval text (keeping its top-k log-probs per
+scored token) and runs the tasks, is freed, and the candidate does the same, measuring KL(baseline ||
+candidate) and top-1 agreement against what the baseline kept (`divergence.BaselineTopK`). Only
+`--bisect`, which swaps layers between the two, loads both.
 
 Metric names (what `--gate` accepts) are listed in `metric_names`; see docs/EVAL.md.
 """
@@ -21,10 +23,11 @@ from llmopt.devices import resolve_device
 from llmopt.engine.llm import LLM
 from llmopt.errors import LlmoptError
 from llmopt.eval.bisect import BisectResult, run_bisect
-from llmopt.eval.engines import build_llm
+from llmopt.eval.divergence import BaselineTopK
+from llmopt.eval.engines import build_llm, float32_notice, free_memory, weight_bytes
 from llmopt.eval.metrics import mean_stderr
 from llmopt.eval.options import EvalOptions
-from llmopt.eval.perplexity import TextScore, default_batch_tokens, score_text
+from llmopt.eval.perplexity import TextScore, compare_scores, default_batch_tokens, score_text
 from llmopt.eval.runner import TaskResult, evaluate_task
 from llmopt.eval.tasks import Task, load_task
 from llmopt.eval.textdata import load_text
@@ -186,8 +189,10 @@ def _build_rows(opts: EvalOptions, text: TextScore | None, tasks: dict[str, dict
     return rows
 
 
-def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None) -> EvalReport:
-    """Measure everything `opts` asks for; gates are evaluated but not raised (see command.py)."""
+def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None,
+             notify: Callable[[str], None] | None = None) -> EvalReport:
+    """Measure everything `opts` asks for; gates are evaluated but not raised (see command.py). `notify`
+    gets lines worth saying before they happen (what a float32 upcast will cost)."""
     t0 = time.perf_counter()
     # 1. validate every input before loading a model
     text = load_text(opts.ppl_data) if opts.ppl_data is not None else None
@@ -200,48 +205,68 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
     _validate_gates(gates, metric_names(opts, task_list))
     if opts.harness == "lm-eval" and task_list:
         _check_lmeval_models([opts.model] + ([opts.baseline] if opts.baseline else []))
-    # 2. load the models
+    # 2. each model in turn: the baseline first (its top-k log-probs are kept for KL), then the candidate
     batch = opts.max_batch_tokens or default_batch_tokens(opts.seq_len, resolve_device(opts.device))
-    cand = build_llm(opts.model, opts.engine_options(batch))
-    base = build_llm(opts.baseline, opts.engine_options(batch, baseline=True)) if opts.baseline else None
-    llms: list[tuple[str, LLM]] = ([("baseline", base)] if base else []) + [("candidate", cand)]
-    models = {role: {"model": m, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-                     "kv_cache_dtype": llm.engine.config.kv_cache_dtype, "device": str(llm.engine.device)}
-              for (role, llm), m in zip(llms, ([opts.baseline] if base else []) + [opts.model or "smollm2-135m"],
-                                        strict=True)}
-    # 3. perplexity, KL and top-1 agreement on the eval text
-    score = None
-    if text is not None:
-        ids = cand.engine.tokenizer.encode(text)
-        probe = text[:20000]
-        if base is not None and base.engine.tokenizer.encode(probe) != cand.engine.tokenizer.encode(probe):
-            raise LlmoptError("baseline and candidate tokenize the eval text differently; perplexity, KL "
-                              "and top-1 agreement need the same tokenizer")
-        if opts.max_tokens:
-            ids = ids[:opts.max_tokens]
-        score = score_text([llm.engine for _, llm in llms], ids, opts.seq_len, opts.stride, batch,
-                           progress=(lambda done, total: progress("perplexity", done, total)) if progress else None)
-    bisect = None
-    if opts.bisect and base is not None and text is not None:
-        bisect = run_bisect(base, cand, opts.model, opts.baseline or "", opts.engine_options(batch),
-                            opts.engine_options(batch, baseline=True), ids, opts.seq_len, gates,
-                            opts.bisect_plot, progress)
-    # 4. tasks
-    results: dict[str, dict[str, TaskResult]] = {}
-    for task in task_list:
-        results[task.name] = {}
-        for role, llm in llms:
+    roles = ([("baseline", opts.baseline, opts.engine_options(batch, baseline=True))] if opts.baseline else []) + \
+        [("candidate", opts.model, opts.engine_options(batch))]
+    reference = BaselineTopK(opts.kl_top_k) if opts.baseline and text is not None else None
+    models: dict[str, dict[str, Any]] = {}
+    scores: dict[str, TextScore] = {}
+    results: dict[str, dict[str, TaskResult]] = {t.name: {} for t in task_list}
+    ids: list[int] = []
+    cand: LLM | None = None
+    for role, model, engine_opts in roles:
+        note = float32_notice(model, engine_opts.dtype)
+        if note and notify:
+            notify(note)
+        llm = build_llm(model, engine_opts)
+        models[role] = {"model": model or "smollm2-135m", "dtype": str(llm.engine.dtype).removeprefix("torch."),
+                        "kv_cache_dtype": llm.engine.config.kv_cache_dtype, "device": str(llm.engine.device),
+                        "weight_bytes": weight_bytes(llm.engine.model)}
+        # 3. perplexity (and, for the candidate, KL and top-1 agreement against the baseline's record)
+        if text is not None:
+            mine = llm.engine.tokenizer.encode(text)
+            if opts.max_tokens:
+                mine = mine[:opts.max_tokens]
+            if ids and mine != ids:
+                raise LlmoptError("baseline and candidate tokenize the eval text differently; perplexity, KL "
+                                  "and top-1 agreement need the same tokenizer")
+            ids = mine
+            label = f"perplexity ({role})" if opts.baseline else "perplexity"
+            scores[role] = score_text(
+                llm.engine, ids, opts.seq_len, opts.stride, batch,
+                progress=(lambda done, total, label=label: progress(label, done, total)) if progress else None,
+                record=reference if role == "baseline" else None,
+                compare_to=reference if role == "candidate" else None)
+        # 4. tasks
+        for task in task_list:
             if progress:
                 progress(f"{task.name} ({role})", 0, 1)
-            model = opts.baseline if role == "baseline" else opts.model
             if opts.harness == "lm-eval":
                 from llmopt.eval.harness_lmeval import evaluate_task_lmeval
 
-                dtype = (opts.baseline_dtype or opts.dtype) if role == "baseline" else opts.dtype
-                results[task.name][role] = evaluate_task_lmeval(model, task, opts.limit, dtype=dtype,
+                results[task.name][role] = evaluate_task_lmeval(model, task, opts.limit, dtype=engine_opts.dtype,
                                                                 device=str(llm.engine.device))
             else:
                 results[task.name][role] = evaluate_task(llm, task, opts.limit, max_batch_tokens=batch)
+        if role == "baseline":  # freed before the candidate loads: the two are never in memory together
+            device = llm.engine.device
+            del llm
+            free_memory(device)
+        else:
+            cand = llm
+    score = None
+    if text is not None:
+        score = compare_scores(scores["baseline"], scores["candidate"]) if opts.baseline else scores["candidate"]
+        if reference is not None:
+            score.protocol.update({"kl_top_k": reference.top_k, "kl_exact": reference.exact,
+                                   "baseline_rest_mass": reference.mean_rest_mass})
+    bisect = None
+    if opts.bisect and opts.baseline is not None and text is not None and cand is not None:
+        base = build_llm(opts.baseline, opts.engine_options(batch, baseline=True))  # bisect swaps layers: both
+        bisect = run_bisect(base, cand, opts.model, opts.baseline, opts.engine_options(batch),
+                            opts.engine_options(batch, baseline=True), ids, opts.seq_len, gates,
+                            opts.bisect_plot, progress)
     rows = _build_rows(opts, score, results, task_list)
     aliases = _aliases(task_list)
     gate_results = check_gates(gates, lambda m: rows[aliases.get(m, m)].candidate if aliases.get(m, m) in rows

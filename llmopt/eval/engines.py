@@ -1,17 +1,21 @@
 """Build the LLM that an evaluation runs through, sized for scoring rather than serving.
 
-Eval may hold two engines (baseline and candidate) at once, so the KV pool is sized from what the
-evaluation needs (one scoring batch, or a batch of generation prompts) instead of the serving default
-(85% of free GPU memory would leave nothing for the second engine). Anything that goes wrong while
-loading becomes one `LlmoptError` line naming the model, so the CLI exits 2.
+The KV pool is sized from what the evaluation needs (one scoring batch, or a batch of generation prompts)
+instead of the serving default (85% of free GPU memory, which `--bisect`'s second engine would not find).
+Anything that goes wrong while loading becomes one `LlmoptError` line naming the model, so the CLI exits
+2. `free_memory` frees a dropped model before the next one loads, and `float32_notice` states what an upcast costs
+before it is paid.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+import llmopt.native as native
 from llmopt.engine.config import EngineConfig
 from llmopt.engine.llm import LLM
 from llmopt.errors import LlmoptError
@@ -25,7 +29,7 @@ class EngineOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's own, as vLLM
     device: str = "auto"
     kv_cache_dtype: str = "auto"
     max_batch_tokens: int = Field(4096, ge=2)
@@ -47,3 +51,37 @@ def build_llm(model: str | None, opts: EngineOptions) -> LLM:
     except Exception as e:  # corrupt safetensors, unsupported layout, OOM: one line, exit 2
         first = str(e).splitlines()[0] if str(e) else repr(e)
         raise LlmoptError(f"cannot load model {model or 'smollm2-135m'!r}: {type(e).__name__}: {first}") from None
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a loaded model's weights as they sit in memory (packed or quantized; shared ones once)."""
+    seen: dict[int, int] = {}
+    for t in list(module.state_dict(keep_vars=True).values()):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def free_memory(device: torch.device) -> None:
+    """Hand back the memory of models no longer referenced (cycles included), before the next one loads."""
+    gc.collect()
+    native.trim_heap()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def float32_notice(model: str | None, dtype: str) -> str | None:
+    """One line saying what float32 costs when it upcasts a smaller checkpoint, or None."""
+    from llmopt.models.loader import parse_dtype
+    from llmopt.models.resolve import resolve_model
+
+    if dtype not in ("float32", "fp32"):
+        return None
+    resolved = resolve_model(model)
+    stored = parse_dtype("auto", resolved.spec.dtype)
+    if stored == torch.float32 or resolved.quantization_config is not None:
+        return None
+    gb = resolved.spec.num_params() * 4 / 1e9
+    ratio = 4 // stored.itemsize
+    return (f"{model or 'smollm2-135m'}: --dtype float32 holds its weights in about {gb:.1f} GB, {ratio}x its "
+            f"{str(stored).removeprefix('torch.')} checkpoint (the default, auto, runs it as stored)")

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmopt.eval.divergence import DEFAULT_TOP_K
 from llmopt.eval.engines import EngineOptions
 
 
@@ -23,12 +24,13 @@ class EvalOptions(BaseModel):
     limit: int | None = Field(None, ge=1)
     harness: Literal["llmopt", "lm-eval"] = "llmopt"
     gates: list[str] = []
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's own dtype, as vLLM; float32 only when asked
     device: str = "auto"
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     baseline_dtype: str | None = None  # default: the candidate's dtype
     baseline_kv_cache_dtype: Literal["auto", "int8"] = "auto"
     max_batch_tokens: int | None = Field(None, ge=2)
+    kl_top_k: int = Field(DEFAULT_TOP_K, ge=1)  # baseline log-probs kept per token for KL (divergence.py)
     report: Path | None = None
     bisect: bool = False
     bisect_plot: Path | None = None

@@ -6,30 +6,28 @@ window are scored (the last `stride` ones; all of them in the first window), and
 token is never scored because nothing precedes it inside the window. With stride == seq_len (the
 default) the windows do not overlap. ppl = exp(sum NLL / scored tokens).
 
-Scoring runs through `iter_logits`, so several windows share a forward pass (batched by total
-tokens). When a second engine is given, the same windows run through it in lockstep and the
-token-level KL divergence and top-1 agreement between the two are accumulated window by window, so
-no more than one chunk of logits per engine is ever held in memory.
+Scoring runs through `iter_hidden`, so several windows share a forward pass (batched by total
+tokens). A comparison scores the baseline first, keeping its top-k log-probs per scored token
+(`divergence.BaselineTopK`), then the candidate against them: the two models are never in memory
+together, and no more than one forward's logits are held at a time.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from llmopt.engine.llm_engine import LLMEngine
-from llmopt.engine.scoring import iter_logits
+from llmopt.engine.scoring import iter_hidden
 from llmopt.errors import LlmoptError
-from llmopt.eval.divergence import DivergenceStats, token_divergence
+from llmopt.eval.divergence import BaselineTopK, DivergenceStats
 
-# rows of [tokens, vocab] processed at once by the NLL/KL kernels: bounds temporaries to ~100 MB
+# rows of [tokens, vocab] processed at once by the NLL kernel: bounds temporaries to ~100 MB
 _ROW_CHUNK = 512
-# logits of one lockstep chunk are held for the baseline while the candidate runs: cap their memory
-_LOCKSTEP_LOGIT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -90,15 +88,10 @@ class NllStats:
         return math.exp(self.nll) if self.tokens else float("nan")
 
 
-def token_nll(logits: torch.Tensor, ids: torch.Tensor, score_from: int) -> torch.Tensor:
-    """NLL of ids[score_from:] given the logits of the positions before them: [num_scored] float32."""
-    out = []
-    for lo in range(score_from, ids.numel(), _ROW_CHUNK):
-        hi = min(lo + _ROW_CHUNK, ids.numel())
-        rows = logits[lo - 1:hi - 1]
-        target = ids[lo:hi].to(rows.device)
-        out.append(torch.logsumexp(rows, dim=-1) - rows.gather(1, target.unsqueeze(1)).squeeze(1))
-    return torch.cat(out).cpu()
+def rows_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """NLL of `target[i]` under row i of `logits` ([rows, vocab]): [rows] float32 on the CPU."""
+    target = target.to(logits.device)
+    return (torch.logsumexp(logits, dim=-1) - logits.gather(1, target.unsqueeze(1)).squeeze(1)).cpu()
 
 
 @dataclass
@@ -123,69 +116,53 @@ def default_batch_tokens(seq_len: int, device: torch.device) -> int:
     return max(seq_len, (target // seq_len) * seq_len)
 
 
-def _chunks(windows: list[Window], budget: int) -> list[list[int]]:
-    out: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for i, w in enumerate(windows):
-        if cur and total + w.length > budget:
-            out.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += w.length
-    if cur:
-        out.append(cur)
-    return out
-
-
-def score_text(engines: Sequence[LLMEngine], token_ids: list[int], seq_len: int, stride: int | None = None,
-               max_batch_tokens: int | None = None,
-               progress: Callable[[int, int], None] | None = None) -> TextScore:
-    """Perplexity of `token_ids` under every engine; with two engines also KL(first || second) and
-    top-1 agreement over the same scored tokens. `progress(scored_tokens, total)` is called per window."""
-    if not engines:
-        raise LlmoptError("score_text needs at least one engine")
+@torch.inference_mode()
+def score_text(engine: LLMEngine, token_ids: list[int], seq_len: int, stride: int | None = None,
+               max_batch_tokens: int | None = None, progress: Callable[[int, int], None] | None = None,
+               record: BaselineTopK | None = None, compare_to: BaselineTopK | None = None) -> TextScore:
+    """Perplexity of `token_ids` under `engine`. `record` keeps this engine's top-k log-probs on the scored
+    tokens (the baseline's pass); `compare_to` measures KL(baseline || this engine) and top-1 agreement
+    against such a record (the candidate's pass, on the same windows). `progress(scored, total)` per window."""
     if len(token_ids) < 2:
         raise LlmoptError("the perplexity text has fewer than 2 tokens")
-    for eng in engines:
-        if seq_len > eng.max_model_len:
-            raise LlmoptError(f"--seq-len {seq_len} exceeds the engine's max_model_len {eng.max_model_len}")
+    if seq_len > engine.max_model_len:
+        raise LlmoptError(f"--seq-len {seq_len} exceeds the engine's max_model_len {engine.max_model_len}")
     windows = make_windows(len(token_ids), seq_len, stride)
-    batch = max_batch_tokens or default_batch_tokens(seq_len, engines[0].device)
-    batch = max(batch, seq_len)
-    vocab = engines[0].spec.vocab_size
-    lockstep = len(engines) > 1
-    chunk_budget = min(batch, max(seq_len, _LOCKSTEP_LOGIT_BYTES // (4 * vocab))) if lockstep else batch
-    stats = [NllStats() for _ in engines]
-    per_window: list[list[float]] = [[0.0] * len(windows) for _ in engines]
-    div = DivergenceStats() if lockstep else None
+    batch = max(max_batch_tokens or default_batch_tokens(seq_len, engine.device), seq_len)
+    stats = NllStats()
+    per_window = [0.0] * len(windows)
+    div = DivergenceStats() if compare_to is not None else None
     total_scored = sum(w.num_scored for w in windows)
     done = 0
     ids_all = torch.tensor(token_ids, dtype=torch.long)
     t0 = time.perf_counter()
-    for chunk in _chunks(windows, chunk_budget):
-        seqs = [token_ids[windows[i].begin:windows[i].end] for i in chunk]
-        held: dict[int, torch.Tensor] = {}
-        for e, eng in enumerate(engines):
-            for j, logits in iter_logits(eng, seqs, max_batch_tokens=batch):
-                w = windows[chunk[j]]
-                ids = ids_all[w.begin:w.end]
-                nll = token_nll(logits, ids, w.score_from)
-                stats[e].add(nll)
-                per_window[e][chunk[j]] = float(nll.double().mean())
-                if not lockstep:
-                    done += w.num_scored
-                    if progress:
-                        progress(done, total_scored)
-                elif e == 0:
-                    held[j] = logits[w.score_from - 1:w.length - 1]
-                else:
-                    div.add(*token_divergence(held.pop(j), logits[w.score_from - 1:w.length - 1]))
-                    done += w.num_scored
-                    if progress:
-                        progress(done, total_scored)
+    for j, hidden in iter_hidden(engine, [token_ids[w.begin:w.end] for w in windows], max_batch_tokens=batch):
+        w = windows[j]
+        nll = []
+        # only the rows that predict scored tokens, in chunks: [rows, vocab] float32 stays ~100-250 MB
+        for lo in range(w.score_from - 1, w.length - 1, _ROW_CHUNK):
+            hi = min(lo + _ROW_CHUNK, w.length - 1)
+            logits = engine.model.compute_logits(hidden[lo:hi])
+            nll.append(rows_nll(logits, ids_all[w.begin + lo + 1:w.begin + hi + 1]))
+            if record is not None:
+                record.record((j, lo), logits)
+            if div is not None:
+                div.add(*compare_to.compare((j, lo), logits))
+            del logits
+        window_nll = torch.cat(nll)
+        stats.add(window_nll)
+        per_window[j] = float(window_nll.double().mean())
+        done += w.num_scored
+        if progress:
+            progress(done, total_scored)
     protocol = {"seq_len": seq_len, "stride": stride or seq_len, "windows": len(windows),
                 "text_tokens": len(token_ids), "batch_tokens": batch,
                 "protocol": ("non-overlapping windows" if (stride or seq_len) == seq_len else
                              "sliding window, last `stride` tokens scored") + " (HF perplexity guide)"}
-    return TextScore(protocol, stats, div, time.perf_counter() - t0, per_window)
+    return TextScore(protocol, [stats], div, time.perf_counter() - t0, [per_window])
+
+
+def compare_scores(baseline: TextScore, candidate: TextScore) -> TextScore:
+    """One TextScore of both passes: NLL [baseline, candidate], the candidate's divergence."""
+    return TextScore(candidate.protocol, baseline.nll + candidate.nll, candidate.divergence,
+                     baseline.seconds + candidate.seconds, baseline.per_window_nll + candidate.per_window_nll)

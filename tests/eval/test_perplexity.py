@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
+from llmopt.engine.scoring import iter_logits
 from llmopt.errors import LlmoptError
+from llmopt.eval.divergence import BaselineTopK
 from llmopt.eval.engines import EngineOptions, build_llm
 from llmopt.eval.perplexity import make_windows, score_text
 from llmopt.eval.textdata import load_text
@@ -60,12 +62,12 @@ def test_ppl_matches_hf_guide(tiny_llama, stride):
     llm = build_llm(str(tiny_llama), EngineOptions(max_batch_tokens=128))
     ids = llm.engine.tokenizer.encode(TEXT)
     assert len(ids) > 200
-    score = score_text([llm.engine], ids, seq_len=64, stride=stride, max_batch_tokens=128)
+    score = score_text(llm.engine, ids, seq_len=64, stride=stride, max_batch_tokens=128)
     ref_ppl, ref_tokens = hf_guide_ppl(tiny_llama, ids, 64, stride or 64)
     assert score.nll[0].tokens == ref_tokens
     assert score.nll[0].ppl == pytest.approx(ref_ppl, rel=1e-4)
     # batching windows together does not change the result
-    one = score_text([llm.engine], ids, seq_len=64, stride=stride, max_batch_tokens=64)
+    one = score_text(llm.engine, ids, seq_len=64, stride=stride, max_batch_tokens=64)
     assert one.nll[0].ppl == pytest.approx(score.nll[0].ppl, rel=1e-5)
 
 
@@ -73,13 +75,54 @@ def test_same_model_twice_has_zero_kl(tiny_llama):
     a = build_llm(str(tiny_llama), EngineOptions(max_batch_tokens=128))
     b = build_llm(str(tiny_llama), EngineOptions(max_batch_tokens=128, kv_cache_dtype="int8"))
     ids = a.engine.tokenizer.encode(TEXT)
-    same = score_text([a.engine, a.engine], ids, seq_len=64)
+    ref = BaselineTopK(16)
+    base = score_text(a.engine, ids, seq_len=64, record=ref)
+    same = score_text(a.engine, ids, seq_len=64, compare_to=ref)
     assert same.divergence.kl_div == pytest.approx(0.0, abs=1e-6)
     assert same.divergence.top1_agreement == 1.0
-    assert same.divergence.tokens == same.nll[0].tokens
-    diff = score_text([a.engine, b.engine], ids, seq_len=64)
+    assert same.divergence.tokens == same.nll[0].tokens == base.nll[0].tokens
+    diff = score_text(b.engine, ids, seq_len=64, compare_to=ref)
     assert diff.divergence.kl_div > 0  # int8 KV moves the distribution a little
-    assert diff.nll[0].ppl == pytest.approx(same.nll[0].ppl, rel=1e-6)
+    assert diff.divergence.top1_agreement > 0.8
+
+
+def _exact_kl(base_engine, cand_engine, ids: list[int], seq_len: int) -> tuple[float, float]:
+    """Mean KL(base || cand) and top-1 agreement over every scored token, from whole-vocabulary logits."""
+    kl, match, n = 0.0, 0, 0
+    for w in make_windows(len(ids), seq_len):
+        seq = ids[w.begin:w.end]
+        lb = dict(iter_logits(base_engine, [seq]))[0][w.score_from - 1:w.length - 1].double().log_softmax(-1)
+        lc = dict(iter_logits(cand_engine, [seq]))[0][w.score_from - 1:w.length - 1].double().log_softmax(-1)
+        kl += float((lb.exp() * (lb - lc)).sum())
+        match += int((lb.argmax(-1) == lc.argmax(-1)).sum())
+        n += lb.shape[0]
+    return kl / n, match / n
+
+
+def test_topk_kl_is_exact_over_the_vocabulary_and_a_lower_bound_below_it(tiny_llama, tiny_qwen2):
+    """KL against the baseline's saved top-k: the exact KL once k covers the vocabulary (512 here), and a
+    lower bound, close when the baseline's mass outside its top-k is small, below it. The candidate is
+    another random model with the same tokenizer, so the KL is large against float32 rounding."""
+    base = build_llm(str(tiny_llama), EngineOptions(max_batch_tokens=128))
+    cand = build_llm(str(tiny_qwen2), EngineOptions(max_batch_tokens=128))
+    ids = base.engine.tokenizer.encode(TEXT)
+    assert cand.engine.tokenizer.encode(TEXT) == ids
+    exact_kl, exact_top1 = _exact_kl(base.engine, cand.engine, ids, 64)
+    assert exact_kl > 1e-3
+    results = {}
+    for k in (512, 256, 8):
+        ref = BaselineTopK(k)
+        score_text(base.engine, ids, seq_len=64, record=ref)
+        results[k] = (score_text(cand.engine, ids, seq_len=64, compare_to=ref).divergence, ref)
+    full, ref = results[512]
+    assert ref.exact and ref.mean_rest_mass == pytest.approx(0.0, abs=1e-5)
+    assert full.kl_div == pytest.approx(exact_kl, rel=1e-4, abs=1e-7)
+    assert full.top1_agreement == pytest.approx(exact_top1, abs=1.5 / full.tokens)  # a tie may break either way
+    for k in (256, 8):
+        div, ref = results[k]
+        assert not ref.exact and ref.mean_rest_mass > 0
+        assert 0 < div.kl_div <= exact_kl * (1 + 1e-4)
+    assert results[256][0].kl_div >= results[8][0].kl_div * (1 - 1e-4)  # a finer partition: at least as much KL
 
 
 def test_load_text_formats(tmp_path):

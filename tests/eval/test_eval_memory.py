@@ -1,0 +1,47 @@
+"""`eval` at size: a baseline and its candidate are never in memory together, and a float32 upcast says what
+it costs before it loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmopt.eval.compare import run_eval
+from llmopt.eval.options import EvalOptions
+from llmopt.testing.live_bytes import LiveTensorBytes
+from llmopt.testing.tiny_model import write_tiny_llama
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A KV cache stores keys and values for every token. "
+        "Quantization trades a little quality for memory bandwidth and speed. ") * 10
+
+
+def _peak(opts: EvalOptions) -> tuple[int, object]:
+    with LiveTensorBytes() as m:
+        report = run_eval(opts)
+    return m.peak, report
+
+
+def test_a_comparison_needs_the_memory_of_one_model(tiny_llama, tmp_path):
+    """Live tensor bytes (torch's own accounting): comparing two models peaks where scoring one does, plus
+    the baseline's top-k record, not at the sum of two engines (weights and KV pools)."""
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    run_eval(EvalOptions(model=str(tiny_llama), ppl_data=data, seq_len=64))  # warm: kernels, caches
+    one, _ = _peak(EvalOptions(model=str(tiny_llama), ppl_data=data, seq_len=64))
+    both, report = _peak(EvalOptions(model=str(tiny_llama), baseline=str(tiny_llama), ppl_data=data, seq_len=64))
+    weights = report.models["candidate"]["weight_bytes"]
+    assert weights > 0 and report.text.divergence.kl_div == pytest.approx(0.0, abs=1e-6)
+    assert both <= one * 1.1, f"comparison peaked at {both} live bytes, one model at {one}"
+    assert both < one + weights  # holding both would add at least a second copy of the weights
+
+
+def test_float32_upcast_is_announced_before_loading(tmp_path):
+    d = write_tiny_llama(tmp_path / "bf16", dtype="bfloat16")
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    lines: list[str] = []
+    report = run_eval(EvalOptions(model=str(d), ppl_data=data, seq_len=64, dtype="float32"), notify=lines.append)
+    assert len(lines) == 1 and "2x its bfloat16 checkpoint" in lines[0] and "GB" in lines[0]
+    assert report.models["candidate"]["dtype"] == "float32"
+    lines.clear()
+    report = run_eval(EvalOptions(model=str(d), ppl_data=data, seq_len=64), notify=lines.append)
+    assert lines == [] and report.models["candidate"]["dtype"] == "bfloat16"  # auto: the checkpoint's own
