@@ -152,8 +152,8 @@ def bench(
     kv_cache_dtype: Optional[str] = typer.Option(None, help="Engine: auto|int8", rich_help_panel="Engine"),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Engine: automatic prefix caching.", rich_help_panel="Engine"),
-    workload: Optional[str] = typer.Option(None, help="random|prefix|jsonl (default random; jsonl with "
-                                           "--dataset; prefix for --scenario prefix-cache).",
+    workload: Optional[str] = typer.Option(None, help="random|prefix|jsonl|trace|conversation (default random; "
+                                           "jsonl with --dataset; prefix for --scenario prefix-cache).",
                                            rich_help_panel="Workload"),
     input_len: str = typer.Option("512", help="Prompt tokens: N, LO:HI or normal:MEAN,STD.",
                                   rich_help_panel="Workload"),
@@ -165,8 +165,23 @@ def bench(
     num_prefixes: int = typer.Option(4, help="prefix: distinct prefixes.", rich_help_panel="Workload"),
     suffix_len: str = typer.Option("64", help="prefix: unique suffix tokens per request.",
                                    rich_help_panel="Workload"),
-    dataset: Optional[str] = typer.Option(None, help="jsonl: one {prompt|messages, max_tokens} per line.",
+    dataset: Optional[str] = typer.Option(None, help="jsonl: one {prompt|messages, max_tokens} per line; trace: "
+                                          "one {timestamp, input_length, output_length, hash_ids} per line.",
                                           rich_help_panel="Workload"),
+    users: Optional[int] = typer.Option(None, help="conversation: concurrent users (default 4).",
+                                        rich_help_panel="Workload"),
+    turns: Optional[int] = typer.Option(None, help="conversation: turns per user (default 4); the first message "
+                                        "is --input-len tokens, answers --output-len.", rich_help_panel="Workload"),
+    message_len: Optional[str] = typer.Option(None, help="conversation: tokens of each later message (default "
+                                              "64).", rich_help_panel="Workload"),
+    think_time: Optional[str] = typer.Option(None, help="conversation: seconds between an answer and the next "
+                                             "message, S or LO:HI (default 1).", rich_help_panel="Workload"),
+    trace_block_size: Optional[int] = typer.Option(None, help="trace: tokens per hash id (default 512, "
+                                                   "Mooncake's).", rich_help_panel="Workload"),
+    trace_time_unit: Optional[str] = typer.Option(None, help="trace: ms|s of the timestamps (default ms).",
+                                                  rich_help_panel="Workload"),
+    trace_time_scale: Optional[float] = typer.Option(None, help="trace: multiply arrival offsets (0.5: twice "
+                                                     "as fast).", rich_help_panel="Workload"),
     seed: int = typer.Option(0, help="Seed of prompts, lengths and arrivals.", rich_help_panel="Workload"),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
                                     help="Generate exactly max_tokens per request.", rich_help_panel="Workload"),
@@ -188,8 +203,17 @@ def bench(
     static_batch_size: Optional[int] = typer.Option(None, help="static-vs-continuous: batch size = slots "
                                                     "(default 8).", rich_help_panel="Analysis"),
     gate: Optional[list[str]] = typer.Option(None, "--gate", help="Exit 1 unless e.g. \"output_throughput>=150\" "
-                                             "or \"ttft_p99_ms<=1000\" holds (repeatable).",
+                                             "or \"ttft_p99_ms<=1000\" holds (repeatable); with --ab also "
+                                             "\"output_throughput_ratio>=0.95@95\" (the 95% interval's bound).",
                                              rich_help_panel="Analysis"),
+    ab: Optional[list[str]] = typer.Option(None, "--ab", help="A/B in interleaved rounds: --ab A --ab B, each a "
+                                           "URL, a model, or KEY=VALUE,... over the target flags (url, model, "
+                                           "max-num-seqs, dtype, prefix-caching, name, ...).",
+                                           rich_help_panel="Analysis"),
+    rounds: Optional[int] = typer.Option(None, help="Run each level this many times, kept per round for "
+                                         "intervals (--ab: default 6).", rich_help_panel="Analysis"),
+    ab_order: Optional[str] = typer.Option(None, help="--ab: abba (default: A B, B A, ... cancels drift) | "
+                                           "abab.", rich_help_panel="Analysis"),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON.",
                                             rich_help_panel="Output"),
     markdown_path: Optional[str] = typer.Option(None, "--markdown", help="Write the report as Markdown.",
@@ -217,9 +241,12 @@ def bench(
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
         kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching, workload=workload, input_len=input_len,
         output_len=output_len, num_prompts=num_prompts, prefix_len=prefix_len, num_prefixes=num_prefixes,
-        suffix_len=suffix_len, dataset=dataset, seed=seed, ignore_eos=ignore_eos, concurrency=concurrency,
+        suffix_len=suffix_len, dataset=dataset, seed=seed, ignore_eos=ignore_eos, users=users, turns=turns,
+        message_len=message_len, think_time=think_time, trace_block_size=trace_block_size,
+        trace_time_unit=trace_time_unit, trace_time_scale=trace_time_scale, concurrency=concurrency,
         request_rate=request_rate, burstiness=burstiness, warmup=warmup, slo=slo, knee_metric=knee_metric,
         knee_percentile=knee_percentile, scenario=scenario, static_batch_size=static_batch_size, gates=gate or [],
+        rounds=rounds, ab=ab or [], ab_order=ab_order,
         json_path=json_path, markdown_path=markdown_path, plot_path=plot_path, progress=progress,
     ).build()
     try:

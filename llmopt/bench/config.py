@@ -15,15 +15,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmopt.bench.ab_config import DEFAULT_AB_ROUNDS, AbConfig, AbOrder, AbSide, parse_side
+from llmopt.bench.ab_gates import BenchGate, parse_bench_gates
+from llmopt.bench.conversations import ConversationWorkload
 from llmopt.bench.http_target import HttpTargetConfig
 from llmopt.bench.load import LoadPattern, parse_sweep
 from llmopt.bench.metrics import Slo, parse_slo
 from llmopt.bench.report import LatencyMetric, Percentile, SweepKind
 from llmopt.bench.scenarios import DEFAULT_STATIC_BATCH_SIZE, Scenario, ScenarioParams, build_scenario
-from llmopt.bench.workloads import JsonlWorkload, PrefixWorkload, RandomWorkload, WorkloadSpec, parse_length
+from llmopt.bench.trace_workload import MOONCAKE_BLOCK_SIZE, TraceWorkload
+from llmopt.bench.workload_spec import AnyWorkload
+from llmopt.bench.workloads import JsonlWorkload, PrefixWorkload, RandomWorkload, parse_length
 from llmopt.engine.config import EngineConfig
 from llmopt.errors import LlmoptError
-from llmopt.gates import Gate, parse_gates
+from llmopt.gates import Gate
 
 DEFAULT_NUM_PROMPTS = 100
 
@@ -36,7 +41,7 @@ class BenchConfig(BaseModel):
     http: HttpTargetConfig | None = Field(None, description="Benchmark this OpenAI-compatible server.")
     engine: EngineConfig | None = Field(None, description="Benchmark our engine in-process (offline).")
     tokenizer: str | None = Field(None, description="HTTP: model whose tokenizer builds prompts (alias or dir).")
-    workload: WorkloadSpec
+    workload: AnyWorkload
     loads: list[LoadPattern] = Field(min_length=1, description="One run per load level, in order.")
     sweep: SweepKind | None = Field(None, description="What varies between loads; None for a single level.")
     warmup: int = Field(1, ge=0, description="Requests sent (and discarded) before each load level.")
@@ -45,6 +50,9 @@ class BenchConfig(BaseModel):
     knee_percentile: Percentile = "p99"
     scenario: Scenario | None = Field(None, description="Offline only: compare engine variants.")
     gates: list[Gate] = Field(default_factory=list)
+    rounds: int = Field(1, ge=1, description="Each load level this many times, pooled; rounds kept.")
+    ab: AbConfig | None = Field(None, description="Compare two targets in interleaved rounds.")
+    ab_gates: list[BenchGate] = Field(default_factory=list, description="--ab: gates, with optional @CONFIDENCE.")
     json_path: str | None = None
     markdown_path: str | None = None
     plot_path: str | None = None
@@ -61,6 +69,11 @@ class BenchConfig(BaseModel):
         from llmopt.bench.gate_metrics import validate_gates
 
         validate_gates(self.gates, scenario=self.scenario is not None)
+        validate_gates([g.gate for g in self.ab_gates], scenario=True)
+        for g in self.ab_gates:
+            if g.confidence is not None and not g.gate.metric.endswith("_ratio"):
+                raise LlmoptError(f"gate {g.expression!r}: a confidence (@) applies to a ratio (METRIC_ratio), "
+                                  "whose interval the rounds give")
         return self
 
 
@@ -86,7 +99,7 @@ class BenchOptions(BaseModel):
     kv_cache_dtype: Literal["auto", "int8"] | None = None
     prefix_caching: bool = True
     # workload
-    workload: Literal["random", "prefix", "jsonl"] | None = None
+    workload: Literal["random", "prefix", "jsonl", "trace", "conversation"] | None = None
     input_len: str = "512"
     output_len: str = "128"
     num_prompts: int | None = None
@@ -96,6 +109,13 @@ class BenchOptions(BaseModel):
     dataset: str | None = None
     seed: int = 0
     ignore_eos: bool = True
+    users: int | None = None
+    turns: int | None = None
+    message_len: str | None = None
+    think_time: str | None = None
+    trace_block_size: int | None = None
+    trace_time_unit: Literal["ms", "s"] | None = None
+    trace_time_scale: float | None = None
     # load
     concurrency: str | None = None
     request_rate: str | None = None
@@ -108,6 +128,9 @@ class BenchOptions(BaseModel):
     scenario: str | None = None
     static_batch_size: int | None = None
     gates: list[str] = Field(default_factory=list)
+    rounds: int | None = None
+    ab: list[str] = Field(default_factory=list)
+    ab_order: AbOrder | None = None
     json_path: str | None = None
     markdown_path: str | None = None
     plot_path: str | None = None
@@ -115,12 +138,17 @@ class BenchOptions(BaseModel):
 
     def build(self) -> BenchConfig:
         """Check the combination of flags and produce the typed plan (one-line LlmoptError otherwise)."""
-        offline = self.url is None
+        ab = self._ab()
+        offline = self.url is None if ab is None else ab.sides[0].http is None
         scenario = self._scenario()
         loads, sweep = self._loads(scenario)
+        gates = parse_bench_gates(self.gates)
+        if ab is None and (conf := [g for g in gates if g.confidence is not None]):
+            raise LlmoptError(f"gate {conf[0].expression!r}: a confidence (@) needs the rounds of --ab")
+        rounds = self._rounds(ab)
         return BenchConfig(
-            http=None if offline else self._http(),
-            engine=self._engine() if offline else None,
+            http=(ab.sides[0].http if ab else self._http()) if not offline else None,
+            engine=(ab.sides[0].engine if ab else self._engine()) if offline else None,
             tokenizer=self._tokenizer(offline),
             workload=self._workload(offline, scenario),
             loads=loads,
@@ -130,7 +158,10 @@ class BenchOptions(BaseModel):
             knee_metric=self.knee_metric,
             knee_percentile=self.knee_percentile,
             scenario=scenario,
-            gates=parse_gates(self.gates),
+            gates=[g.gate for g in gates] if ab is None else [],
+            rounds=rounds,
+            ab=ab,
+            ab_gates=gates if ab is not None else [],
             json_path=self.json_path,
             markdown_path=self.markdown_path,
             plot_path=self._plot_path(),
@@ -174,6 +205,36 @@ class BenchOptions(BaseModel):
                 raise LlmoptError(f"{flag} must be at least 1, got {n}")
         return EngineConfig(**args)
 
+    def _ab(self) -> AbConfig | None:
+        """The two sides of `--ab A --ab B`, each the command line's target with its overrides."""
+        if not self.ab:
+            if self.ab_order is not None:
+                raise LlmoptError("--ab-order applies to --ab")
+            return None
+        if len(self.ab) != 2:
+            raise LlmoptError(f"--ab takes two sides (--ab A --ab B), got {len(self.ab)}")
+        if self.scenario is not None:
+            raise LlmoptError("--ab and --scenario both compare; use one")
+        if self.plot_path is not None:
+            raise LlmoptError("--plot is not written for --ab; use --json and --markdown")
+        sides = []
+        for i, text in enumerate(self.ab):
+            upd = parse_side(text)
+            name = upd.pop("name", "AB"[i])
+            opts = self.model_copy(update={**upd, "ab": []})
+            http, engine = (opts._http(), None) if opts.url is not None else (None, opts._engine())
+            sides.append(AbSide(name=name, spec=text, http=http, engine=engine))
+        if self.rounds is not None and self.rounds < 2:
+            raise LlmoptError(f"--ab needs at least 2 rounds for an interval, got --rounds {self.rounds}")
+        return AbConfig(sides=sides, rounds=self.rounds or DEFAULT_AB_ROUNDS, order=self.ab_order or "abba")
+
+    def _rounds(self, ab: AbConfig | None) -> int:
+        if ab is not None:
+            return 1  # the A/B runner does its own rounds
+        if self.rounds is not None and self.rounds < 1:
+            raise LlmoptError(f"--rounds must be at least 1, got {self.rounds}")
+        return self.rounds or 1
+
     def _tokenizer(self, offline: bool) -> str | None:
         if offline and self.tokenizer is not None:
             raise LlmoptError("--tokenizer is for --url; the in-process engine uses its own tokenizer")
@@ -181,10 +242,35 @@ class BenchOptions(BaseModel):
 
     # ----------------------------------------------------------------------------------- workload
 
-    def _workload(self, offline: bool, scenario: Scenario | None) -> RandomWorkload | PrefixWorkload | JsonlWorkload:
+    def _workload(self, offline: bool, scenario: Scenario | None) -> AnyWorkload:
         kind = self.workload or ("jsonl" if self.dataset else scenario.default_workload if scenario else "random")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise LlmoptError(f"--num-prompts must be at least 1, got {self.num_prompts}")
+        self._check_kind_flags(kind)
+        if kind == "trace":
+            if self.dataset is None:
+                raise LlmoptError("--workload trace needs --dataset TRACE.jsonl")
+            if not Path(self.dataset).is_file():
+                raise LlmoptError(f"trace file {self.dataset} not found")
+            if self.trace_block_size is not None and self.trace_block_size < 1:
+                raise LlmoptError(f"--trace-block-size must be at least 1, got {self.trace_block_size}")
+            if self.trace_time_scale is not None and not (self.trace_time_scale > 0 and
+                                                          math.isfinite(self.trace_time_scale)):
+                raise LlmoptError(f"--trace-time-scale must be positive, got {self.trace_time_scale:g}")
+            return TraceWorkload(path=self.dataset, block_size=self.trace_block_size or MOONCAKE_BLOCK_SIZE,
+                                 time_unit=self.trace_time_unit or "ms", time_scale=self.trace_time_scale or 1.0,
+                                 num_requests=self.num_prompts, seed=self.seed, token_ids=offline,
+                                 ignore_eos=self.ignore_eos)
+        if kind == "conversation":
+            if self.num_prompts is not None:
+                raise LlmoptError("the conversation workload sends --users x --turns requests; drop --num-prompts")
+            for flag, n in (("--users", self.users), ("--turns", self.turns)):
+                if n is not None and n < 1:
+                    raise LlmoptError(f"{flag} must be at least 1, got {n}")
+            return ConversationWorkload(num_users=self.users or 4, turns=self.turns or 4, first_len=self.input_len,
+                                        message_len=self.message_len or "64", output_len=self.output_len,
+                                        think_time=self.think_time or "1", seed=self.seed, token_ids=offline,
+                                        ignore_eos=self.ignore_eos)
         if kind == "jsonl":
             if self.dataset is None:
                 raise LlmoptError("--workload jsonl needs --dataset FILE.jsonl")
@@ -205,6 +291,16 @@ class BenchOptions(BaseModel):
                                   token_ids=offline, ignore_eos=self.ignore_eos)
         return RandomWorkload(num_requests=n, input_len=self.input_len, output_len=self.output_len, seed=self.seed,
                               token_ids=offline, ignore_eos=self.ignore_eos)
+
+    def _check_kind_flags(self, kind: str) -> None:
+        """Flags of one workload kind are an error with another (a silent no-op would mislead)."""
+        own = {"conversation": {"--users": self.users, "--turns": self.turns, "--message-len": self.message_len,
+                                "--think-time": self.think_time},
+               "trace": {"--trace-block-size": self.trace_block_size, "--trace-time-unit": self.trace_time_unit,
+                         "--trace-time-scale": self.trace_time_scale}}
+        for other, flags in own.items():
+            if other != kind and (used := [f for f, v in flags.items() if v is not None]):
+                raise LlmoptError(f"{', '.join(used)} apply to --workload {other}, not {kind}")
 
     # --------------------------------------------------------------------------------------- load
 
@@ -237,6 +333,13 @@ class BenchOptions(BaseModel):
             if any(p.concurrency is None for p in loads):
                 raise LlmoptError("static batching needs a finite batch size: drop 'inf' from --concurrency")
             return loads, "concurrency" if len(loads) > 1 else None
+        kind = self.workload or ("jsonl" if self.dataset else "random")
+        if kind == "conversation" and (self.request_rate is not None or self.concurrency is not None):
+            raise LlmoptError("the conversation workload's load is its users (--users); drop --concurrency and "
+                              "--request-rate")
+        if kind == "trace" and self.request_rate is not None:
+            raise LlmoptError("a trace brings its own arrival times; drop --request-rate (--trace-time-scale "
+                              "speeds it up or slows it down)")
         if self.request_rate is not None:
             max_conc = None
             if self.concurrency is not None:

@@ -126,6 +126,12 @@ def _chunk_has_token(obj: dict[str, Any], chat: bool) -> bool:
         and choice.get("finish_reason") is None
 
 
+def _chunk_text(obj: dict[str, Any], chat: bool) -> str:
+    choice = obj["choices"][0]
+    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _spread(total: int, chunks: int) -> list[int]:
     """Split `total` tokens over `chunks` chunks as evenly as integers allow (at least 1 each)."""
     if chunks <= 0:
@@ -285,8 +291,10 @@ class HttpTarget:
         if not state.times:
             return fail("no_tokens", "the stream ended without any generated token")
         prompt_tokens, output_tokens, counts = state.totals(prompt_est)
-        return RequestRecord.from_chunks(start=start, token_times=state.times, chunk_token_counts=counts,
-                                         prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        rec = RequestRecord.from_chunks(start=start, token_times=state.times, chunk_token_counts=counts,
+                                        prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        rec.output_text = "".join(state.text)
+        return rec
 
 
 class _StreamState:
@@ -300,6 +308,7 @@ class _StreamState:
         self.cum_completion = 0
         self.usage: dict[str, Any] | None = None
         self.answered = False  # response headers arrived
+        self.text: list[str] = []  # the generated text, which a conversation's next turn resends
 
     def handle(self, events: list[str], now: float) -> tuple[str, str] | None:
         """Consume SSE payloads that arrived at `now`; returns (error_code, message) on a bad stream."""
@@ -318,6 +327,7 @@ class _StreamState:
                 return "stream_error", f"server error mid-stream: {msg}"
             usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
             if _chunk_has_token(obj, self.chat):
+                self.text.append(_chunk_text(obj, self.chat))
                 n = 1
                 ct = usage.get("completion_tokens") if usage else None
                 if isinstance(ct, int):  # continuous usage stats: exact tokens per chunk

@@ -128,6 +128,21 @@ def arrival_schedule(
     return [float(t) for t in offsets]
 
 
+def request_offsets(requests: Sequence[BenchRequest], pattern: LoadPattern) -> list[float] | None:
+    """Send offsets (s) of a run: a trace's own arrivals when the requests carry them, else the pattern's
+    schedule; None when everything goes at once."""
+    if any(r.arrival_s is not None for r in requests):
+        return [r.arrival_s or 0.0 for r in requests]
+    if math.isinf(pattern.request_rate):
+        return None
+    return arrival_schedule(len(requests), pattern.request_rate, pattern.burstiness, pattern.seed)
+
+
+def warmup_requests(requests: Sequence[BenchRequest], n: int) -> list[BenchRequest]:
+    """The first `n` requests (reused cyclically), all sent at once: a trace's arrival times do not apply."""
+    return [requests[i % len(requests)].model_copy(update={"arrival_s": None}) for i in range(n)]
+
+
 class LoadResult(BaseModel):
     """The records of one run (warm-up excluded, workload order) and its wall duration."""
 
@@ -189,8 +204,7 @@ async def _run_phase(
             if sem is not None:
                 sem.release()
 
-    offsets = None if math.isinf(pattern.request_rate) else arrival_schedule(
-        len(requests), pattern.request_rate, pattern.burstiness, pattern.seed)
+    offsets = request_offsets(requests, pattern)
     tasks: list[asyncio.Task[None]] = []
     interrupted = False
     t_start = time.perf_counter()
@@ -257,7 +271,7 @@ async def run_load(
         bar.start()
     try:
         if warmup:
-            warm = [requests[i % len(requests)] for i in range(warmup)]
+            warm = warmup_requests(requests, warmup)
             wid = bar.add_task(f"warm-up ({desc})", total=len(warm), failed=0)
             _, _, stopped = await _run_phase(send, warm, LoadPattern(concurrency=pattern.concurrency),
                                              advance(wid))

@@ -37,7 +37,7 @@ from rich.progress import Progress, TaskID
 
 from llmopt.bench.engine_counters import StepStatsCollector
 from llmopt.bench.http_target import ServerMetrics
-from llmopt.bench.load import LoadPattern, LoadResult, arrival_schedule
+from llmopt.bench.load import LoadPattern, LoadResult, request_offsets, warmup_requests
 from llmopt.bench.records import ERROR_INTERRUPTED, RequestRecord
 from llmopt.bench.workloads import BenchRequest
 from llmopt.errors import LlmoptError
@@ -109,7 +109,7 @@ class OfflineEngineTarget:
         self.check_capacity(pattern, batching)
         desc = description or pattern.label()
         if warmup:
-            warm = [requests[i % len(requests)] for i in range(warmup)]
+            warm = warmup_requests(requests, warmup)
             _, _, stopped = self._phase(warm, LoadPattern(concurrency=pattern.concurrency), "continuous",
                                         progress, f"warm-up ({desc})", transient=True)
             if stopped:
@@ -157,7 +157,7 @@ class OfflineEngineTarget:
         """The client-emulating loop: release requests per the pattern, step the engine, collect records."""
         eng = self.engine
         n = len(requests)
-        offsets = arrival_schedule(n, pattern.request_rate, pattern.burstiness, pattern.seed)
+        offsets = request_offsets(requests, pattern) or [0.0] * n
         records: dict[int, RequestRecord] = {}
         in_flight: dict[str, int] = {}  # engine request id -> workload index
         t0 = time.perf_counter()

@@ -43,6 +43,8 @@ class RequestRecord(BaseModel):
     error: str | None = Field(None, description="Human-readable detail of the failure.")
     interrupted: bool = Field(False, description="In flight when the run was cancelled; neither ok nor failed.")
     slo_met: bool | None = Field(None, description="Set by `metrics.apply_slo`; None when no SLO was given.")
+    turn: int | None = Field(None, description="Conversations: the turn (0-based) this request was.")
+    output_text: str | None = Field(None, description="Conversations over HTTP: the answer, for the next turn.")
 
     @model_validator(mode="after")
     def _consistent(self) -> RequestRecord:

@@ -20,11 +20,13 @@ from rich.console import Console
 from rich.table import Table
 
 from llmopt._version import __version__
+from llmopt.bench.ab_stats import RatioEstimate, ratio_interval
+from llmopt.bench.conversations import TurnStats, turn_stats
 from llmopt.bench.http_target import ServerMetrics
 from llmopt.bench.knee import Knee, SweepPoint, find_knee
 from llmopt.bench.load import LoadResult
 from llmopt.bench.metrics import LatencyStats, RunMetrics, Slo, compute_metrics
-from llmopt.bench.workloads import WorkloadSpec
+from llmopt.bench.workload_spec import AnyWorkload
 from llmopt.errors import LlmoptError
 from llmopt.io import write_bytes_atomic
 
@@ -62,6 +64,10 @@ class BenchRun(RunMetrics):
     burstiness: float = 1.0
     stopped_early: bool = Field(False, description="The run was interrupted (Ctrl-C); metrics are partial.")
     server_metrics: ServerMetrics | None = None
+    turns: list[TurnStats] | None = Field(None, description="Conversations: TTFT per turn index.")
+    rounds: list[dict[str, float | None]] | None = Field(
+        None, description="--rounds / --ab: every gate metric of each round, in the order they ran; the run's "
+        "own numbers pool the rounds' requests.")
 
     @classmethod
     def from_load(
@@ -74,8 +80,10 @@ class BenchRun(RunMetrics):
     ) -> BenchRun:
         m = compute_metrics(result.records, result.duration_s, slo, keep_samples=keep_samples)
         p = result.pattern
+        turns = turn_stats(result.records) if any(r.turn is not None for r in result.records) else None
         return cls(**dict(m), label=p.label(), concurrency=p.concurrency, request_rate=p.request_rate,
-                   burstiness=p.burstiness, stopped_early=result.interrupted, server_metrics=server_metrics)
+                   burstiness=p.burstiness, stopped_early=result.interrupted, server_metrics=server_metrics,
+                   turns=turns)
 
     def load_value(self, sweep: SweepKind) -> float:
         """The swept variable: concurrency (inf if unbounded) or request rate."""
@@ -93,7 +101,7 @@ class BenchReport(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
     target: TargetInfo
-    workload: WorkloadSpec
+    workload: AnyWorkload
     sweep: SweepKind | None = Field(None, description="What varied between runs; None for a single run.")
     knee_metric: LatencyMetric = "ttft"
     knee_percentile: Percentile = "p99"
@@ -172,6 +180,11 @@ def _workload_text(report: BenchReport) -> str:
     w = report.workload
     if w.kind == "jsonl":
         return f"jsonl {w.path}"
+    if w.kind == "trace":
+        return f"trace {w.path} (blocks of {w.block_size} tokens, timestamps in {w.time_unit} x{w.time_scale:g})"
+    if w.kind == "conversation":
+        return (f"conversations: {w.num_users} users x {w.turns} turns, first message {w.first_len}, later "
+                f"{w.message_len}, answers {w.output_len} tokens, think time {w.think_time} s")
     if w.kind == "prefix":
         return (f"prefix: {w.num_requests} requests, {w.num_prefixes} prefixes x {w.prefix_len} tokens, "
                 f"suffix {w.suffix_len}, output {w.output_len}")
@@ -208,6 +221,11 @@ def to_markdown(report: BenchReport) -> str:
         lines.append("| " + " | ".join(row) + " |")
     if report.knee is not None:
         lines += ["", f"**Knee ({report.knee.method}):** {report.knee.recommendation}"]
+    for r in report.runs:
+        if r.turns:
+            lines += ["", f"TTFT per turn ({r.label}); prefix cache hit rate: {hit_rate_text(r)}", "",
+                      "| " + " | ".join(_TURN_HEAD) + " |", "|" + "|".join(["---:"] * len(_TURN_HEAD)) + "|"]
+            lines += ["| " + " | ".join(row) + " |" for row in turn_rows(r)]
     return "\n".join(lines) + "\n"
 
 
@@ -289,10 +307,42 @@ def render_summary(run: BenchRun, console: Console, title: str | None = None) ->
     console.print(table)
 
 
+def hit_rate_text(run: BenchRun) -> str:
+    """The run's prefix-cache hit rate, or why there is none."""
+    sm = run.server_metrics
+    if sm is None or sm.prefix_cache_queries is None:
+        return "n/a (the target exports no prefix-cache counters)"
+    if sm.prefix_cache_hit_rate is None:
+        return "n/a (no prompt token was looked up: prefix caching off)"
+    return f"{100 * sm.prefix_cache_hit_rate:.1f}% ({sm.prefix_cache_hits:.0f} of {sm.prefix_cache_queries:.0f} prompt tokens)"
+
+
+def turn_rows(run: BenchRun) -> list[list[str]]:
+    return [[str(t.turn + 1), str(t.completed), str(t.failed), _f(t.prompt_tokens_mean, 0), _f(t.ttft_ms.mean),
+             _f(t.ttft_ms.p50), _f(t.ttft_ms.p90), _f(t.ttft_ms.p99)] for t in run.turns or []]
+
+
+_TURN_HEAD = ["turn", "completed", "failed", "prompt tokens (mean)", "TTFT mean (ms)", "TTFT p50 (ms)",
+              "TTFT p90 (ms)", "TTFT p99 (ms)"]
+
+
+def render_turns(run: BenchRun, console: Console, title: str | None = None) -> None:
+    """Conversations: TTFT per turn index, and the prefix-cache hit rate the target counted."""
+    table = Table(title=title or f"TTFT per turn ({run.label})", title_style="bold")
+    for col in _TURN_HEAD:
+        table.add_column(col, justify="right")
+    for row in turn_rows(run):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"prefix cache hit rate: {hit_rate_text(run)}", highlight=False)
+
+
 def render_report(report: BenchReport, console: Console) -> None:
     """A single run as vLLM's summary; a sweep as one row per run plus the knee."""
     if len(report.runs) == 1:
         render_summary(report.runs[0], console)
+        if report.runs[0].turns:
+            render_turns(report.runs[0], console)
     else:
         p = report.knee_percentile
         table = Table(title=f"llmopt bench: {_target_text(report)}", title_style="bold")
@@ -391,9 +441,21 @@ _COMPARE_METRICS: list[tuple[str, str, Literal["higher", "lower"]]] = [
 ]
 
 
+def round_key(field: str) -> str:
+    """The key of a compared field in `BenchRun.rounds`: `ttft_ms.p50` -> `ttft_p50_ms`."""
+    head, _, tail = field.partition(".")
+    if head == "server_metrics":
+        return tail
+    if head.endswith("_ms") and tail:
+        return f"{head.removesuffix('_ms')}_{tail}_ms"
+    return head
+
+
 class CompareCell(BaseModel):
     value: float | None
     ratio: float | None = Field(None, description="value / the first report's value.")
+    interval: RatioEstimate | None = Field(
+        None, description="Bootstrap interval of the ratio over rounds, when both runs recorded rounds.")
 
 
 class CompareRow(BaseModel):
@@ -426,13 +488,16 @@ def compare_reports(paths: Sequence[str | Path]) -> Comparison:
     return compare_named([(str(p), load_report(p)) for p in paths])
 
 
-def compare_named(named: Sequence[tuple[str, BenchReport]], *, match: Literal["label", "index"] = "label"
-                  ) -> Comparison:
+def compare_named(named: Sequence[tuple[str, BenchReport]], *, match: Literal["label", "index"] = "label",
+                  paired: bool = False, confidence: float = 0.95) -> Comparison:
     """Line up the runs of already-loaded reports; ratios are against the first one.
 
     `match="label"` pairs runs with the same load label (reports from different invocations);
     `match="index"` pairs the i-th run of every report, for variants of one scenario that ran the same
     load levels under different labels (e.g. `static batches of 8` and `concurrency 8`).
+    Where both runs recorded rounds (`--rounds`, `--ab`), each ratio gets a bootstrap interval over them:
+    `paired` when the rounds ran interleaved in one invocation (the two sides of an A/B file), else the
+    two runs are resampled independently.
     """
     reports = [rep for _, rep in named]
     keyed: list[dict[str, BenchRun]] = []
@@ -453,9 +518,31 @@ def compare_named(named: Sequence[tuple[str, BenchReport]], *, match: Literal["l
             if all(v is None for v in values):
                 continue
             base = values[0]
-            cells = [CompareCell(value=v, ratio=(v / base) if v is not None and base else None) for v in values]
+            cells = [CompareCell(value=v, ratio=(v / base) if v is not None and base else None,
+                                 interval=_round_interval(keyed[0].get(key), runs.get(key), field, paired,
+                                                          confidence) if i else None)
+                     for i, (v, runs) in enumerate(zip(values, keyed, strict=True))]
             rows.append(CompareRow(run=key, metric=name, better=better, cells=cells))
     return Comparison(reports=[name for name, _ in named], rows=rows)
+
+
+def _round_interval(base: BenchRun | None, run: BenchRun | None, field: str, paired: bool,
+                    confidence: float) -> RatioEstimate | None:
+    if base is None or run is None or not base.rounds or not run.rounds:
+        return None
+    k = round_key(field)
+    a, b = [r.get(k) for r in base.rounds], [r.get(k) for r in run.rounds]
+    if paired and len(a) != len(b):
+        paired = False
+    est = ratio_interval(a, b, paired=paired, confidence=confidence)
+    return est if est.ratio is not None else None
+
+
+def _ratio_text(c: CompareCell) -> str:
+    iv = c.interval
+    if iv is not None and iv.low is not None and iv.high is not None:
+        return f"x{c.ratio:.2f} [{iv.low:.2f}, {iv.high:.2f}]"
+    return f"x{c.ratio:.2f}"
 
 
 def render_comparison(cmp: Comparison, console: Console, tolerance: float = 0.02, title: str | None = None) -> None:
@@ -476,7 +563,7 @@ def render_comparison(cmp: Comparison, console: Console, tolerance: float = 0.02
             if i > 0 and c.ratio is not None:
                 gain = c.ratio - 1 if row.better == "higher" else 1 - c.ratio
                 color = "green" if gain > tolerance else "red" if gain < -tolerance else "white"
-                text += f" [{color}](x{c.ratio:.2f})[/]"
+                text += f" [{color}]({_ratio_text(c)})[/]"
             cells.append(text)
         if last is not None and row.run != last:
             table.add_section()
@@ -494,7 +581,7 @@ def comparison_markdown(cmp: Comparison) -> str:
         for i, c in enumerate(row.cells):
             text = "-" if c.value is None else f"{c.value:.2f}"
             if i > 0 and c.value is not None and c.ratio is not None:
-                text += f" (x{c.ratio:.2f})"
+                text += f" ({_ratio_text(c)})"
             cells.append(text)
         lines.append("| " + " | ".join([row.run, row.metric, *cells]) + " |")
     return "\n".join(lines) + "\n"

@@ -22,10 +22,12 @@ from pydantic import BaseModel, Field
 from rich.console import Console
 from rich.progress import Progress
 
+from llmopt.bench.ab_report import AbReport, write_ab_json, write_ab_markdown
 from llmopt.bench.config import BenchConfig
 from llmopt.bench.gate_metrics import check_report_gates, check_scenario_gates
-from llmopt.bench.http_target import HttpTarget, check_reachable, diff_metrics, scrape_metrics
-from llmopt.bench.load import LoadPattern, make_progress, run_load
+from llmopt.bench.http_target import HttpTarget, ServerMetrics, check_reachable
+from llmopt.bench.levels import engine_target_info, http_level, level_label, load_tokenizer, offline_level
+from llmopt.bench.load import LoadPattern, LoadResult, make_progress
 from llmopt.bench.offline import Batching, OfflineEngineTarget
 from llmopt.bench.report import (
     BenchReport,
@@ -38,6 +40,7 @@ from llmopt.bench.report import (
     write_markdown,
     write_plot,
 )
+from llmopt.bench.rounds import pool_rounds
 from llmopt.bench.scenario_report import (
     ScenarioReport,
     VariantResult,
@@ -47,7 +50,7 @@ from llmopt.bench.scenario_report import (
     write_scenario_markdown,
     write_scenario_plot,
 )
-from llmopt.bench.workloads import BenchRequest, build_requests, describe_lengths
+from llmopt.bench.workload_spec import Work, describe_work, is_conversations, materialize, with_salt
 from llmopt.errors import LlmoptError
 from llmopt.gates import GateResult, failure_message
 
@@ -67,6 +70,7 @@ class BenchOutcome(BaseModel):
 
     report: BenchReport | None = None
     scenario: ScenarioReport | None = None
+    ab: AbReport | None = None
     gates: list[GateResult] = Field(default_factory=list)
     interrupted: bool = False
     written: list[str] = Field(default_factory=list, description="Files written (--json, --markdown, --plot).")
@@ -83,7 +87,12 @@ class BenchOutcome(BaseModel):
 def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     """Run the benchmark `cfg` describes, print it to `console`, write the requested files."""
     console = console or Console()
-    if cfg.http is not None:
+    if cfg.ab is not None:
+        from llmopt.bench.ab import run_ab
+
+        ab, interrupted = run_ab(cfg, console)
+        outcome = BenchOutcome(ab=ab, interrupted=interrupted)
+    elif cfg.http is not None:
         outcome = _run_http(cfg, console)
     elif cfg.scenario is not None:
         outcome = _run_scenario(cfg, console)
@@ -95,12 +104,16 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     if outcome.interrupted:
         console.print("[bold yellow]interrupted:[/] partial results above; gates were not checked")
         return outcome
-    if cfg.gates:
+    if outcome.ab is not None and cfg.ab_gates:
+        from llmopt.bench.ab import check_ab_gates
+
+        outcome.gates = check_ab_gates(outcome.ab, cfg)
+    elif cfg.gates:
         outcome.gates = (check_scenario_gates(outcome.scenario, cfg.gates) if outcome.scenario is not None
                          else check_report_gates(outcome.report, cfg.gates))  # type: ignore[arg-type]
-        for g in outcome.gates:
-            color = "green" if g.passed else "red"
-            console.print(f"[bold {color}]gate[/] {g.describe()}", highlight=False)
+    for g in outcome.gates:
+        color = "green" if g.passed else "red"
+        console.print(f"[bold {color}]gate[/] {g.describe()}", highlight=False)
     return outcome
 
 
@@ -115,8 +128,11 @@ def show_comparison(paths: Sequence[str], console: Console | None = None) -> Com
 
 
 def _write_outputs(cfg: BenchConfig, outcome: BenchOutcome) -> None:
-    if outcome.scenario is not None:
-        result: Any = outcome.scenario
+    if outcome.ab is not None:
+        result: Any = outcome.ab
+        writers: tuple[Any, ...] = (write_ab_json, write_ab_markdown, None)
+    elif outcome.scenario is not None:
+        result = outcome.scenario
         writers = (write_scenario_json, write_scenario_markdown, write_scenario_plot)
     elif outcome.report is not None:
         result, writers = outcome.report, (write_json, write_markdown, write_plot)
@@ -171,54 +187,59 @@ class _EngineCache:
             torch.cuda.empty_cache()
 
 
-def _engine_target_info(config: EngineConfig, engine: LLMEngine) -> TargetInfo:
-    from llmopt.models.resolve import DEFAULT_MODEL
-
-    details = config.model_dump(mode="json")
-    details.update(resolved_dtype=str(engine.dtype).removeprefix("torch."), resolved_device=str(engine.device),
-                   num_kv_blocks=engine.num_blocks, max_model_len=engine.max_model_len)
-    return TargetInfo(kind="offline", model=config.model or DEFAULT_MODEL, server="llmopt", engine=details)
-
-
 def _variant_config(base: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
     from llmopt.engine.config import EngineConfig
 
     return EngineConfig(**{**base.model_dump(), **overrides})
 
 
-def _offline_sweep(cfg: BenchConfig, engine: LLMEngine, requests: list[BenchRequest], progress: Progress,
+def _offline_sweep(cfg: BenchConfig, engine: LLMEngine, work: Work, progress: Progress,
                    batching: Batching = "continuous", name: str | None = None) -> tuple[list[BenchRun], bool]:
-    """Every load level on one engine; stops after an interrupted level."""
+    """Every load level (each `cfg.rounds` times) on one engine; stops after an interrupted level."""
     target = OfflineEngineTarget(engine, temperature=cfg.temperature)
     runs: list[BenchRun] = []
     try:
         for pattern in cfg.loads:
             target.check_capacity(pattern, batching)
         for pattern in cfg.loads:
-            label = _label(pattern, batching)
-            try:
-                result, counters = target.run(requests, pattern, batching=batching, warmup=cfg.warmup,
-                                              progress=progress, description=f"{name}: {label}" if name else label)
-            except KeyboardInterrupt:  # between requests (warm-up bookkeeping): keep the finished levels
-                return runs, True
-            run = BenchRun.from_load(result, cfg.slo, counters, keep_samples=cfg.keep_samples)
-            run.label = label
-            runs.append(run)
-            if result.interrupted:
+            label = _label(pattern, batching, work)
+            results = []
+            for r in range(cfg.rounds):
+                desc = label if cfg.rounds == 1 else f"{label}, round {r + 1}/{cfg.rounds}"
+                try:
+                    result, counters = offline_level(target, work, pattern, warmup=cfg.warmup, batching=batching,
+                                                     progress=progress, description=f"{name}: {desc}" if name else desc)
+                except KeyboardInterrupt:  # between requests (warm-up bookkeeping): keep the finished levels
+                    return runs, True
+                results.append((result, counters))
+                if result.interrupted:
+                    break
+            runs.append(_run_of(cfg, results, label))
+            if results[-1][0].interrupted:
                 return runs, True
     finally:
         target.close()
     return runs, False
 
 
-def _label(pattern: LoadPattern, batching: Batching) -> str:
-    return f"static batches of {pattern.concurrency}" if batching == "static" else pattern.label()
+def _run_of(cfg: BenchConfig, results: list[tuple[LoadResult, ServerMetrics | None]], label: str) -> BenchRun:
+    """A level's run: one round as it is, several pooled (with each round kept)."""
+    if len(results) == 1:
+        run = BenchRun.from_load(results[0][0], cfg.slo, results[0][1], keep_samples=cfg.keep_samples)
+        run.label = label
+        return run
+    return pool_rounds(results, cfg.slo, keep_samples=cfg.keep_samples, label=label)
 
 
-def _build_workload(cfg: BenchConfig, tokenizer: Any, console: Console) -> list[BenchRequest]:
-    requests = build_requests(cfg.workload, tokenizer)
-    console.print(f"[dim]workload: {describe_lengths(requests)}[/]")
-    return requests
+def _label(pattern: LoadPattern, batching: Batching, work: Work) -> str:
+    return f"static batches of {pattern.concurrency}" if batching == "static" else level_label(work, pattern)
+
+
+def _build_workload(cfg: BenchConfig, tokenizer: Any, console: Console, salt: int | None = None) -> Work:
+    work = materialize(cfg.workload if salt is None else with_salt(cfg.workload, salt), tokenizer)
+    if salt is None or salt == 0:
+        console.print(f"[dim]workload: {describe_work(work)}[/]")
+    return work
 
 
 def _run_offline(cfg: BenchConfig, console: Console) -> BenchOutcome:
@@ -226,10 +247,10 @@ def _run_offline(cfg: BenchConfig, console: Console) -> BenchOutcome:
     engines = _EngineCache(console)
     try:
         engine = engines.get(cfg.engine)
-        requests = _build_workload(cfg, engine.tokenizer, console)
-        info = _engine_target_info(cfg.engine, engine)
+        work = _build_workload(cfg, engine.tokenizer, console)
+        info = engine_target_info(cfg.engine, engine)
         with make_progress(console, cfg.progress) as progress:
-            runs, interrupted = _offline_sweep(cfg, engine, requests, progress)
+            runs, interrupted = _offline_sweep(cfg, engine, work, progress)
     finally:
         engines.close()
     report = _report(cfg, info, runs)
@@ -244,7 +265,7 @@ def _run_scenario(cfg: BenchConfig, console: Console) -> BenchOutcome:
     results: list[VariantResult] = []
     interrupted = False
     try:
-        requests: list[BenchRequest] | None = None
+        requests: Work | None = None
         with make_progress(console, cfg.progress) as progress:
             for variant in scen.variants:
                 vcfg = _variant_config(cfg.engine, variant.engine_overrides)
@@ -255,7 +276,7 @@ def _run_scenario(cfg: BenchConfig, console: Console) -> BenchOutcome:
                                                    variant.name)
                 results.append(VariantResult(name=variant.name, description=variant.description,
                                              batching=variant.batching, engine_overrides=variant.engine_overrides,
-                                             report=_report(cfg, _engine_target_info(vcfg, engine), runs)))
+                                             report=_report(cfg, engine_target_info(vcfg, engine), runs)))
                 if interrupted:
                     break
     finally:
@@ -268,30 +289,25 @@ def _run_scenario(cfg: BenchConfig, console: Console) -> BenchOutcome:
 # ---------------------------------------------------------------------------------------------- HTTP
 
 
-def load_tokenizer(model: str | None) -> Any:
-    """The tokenizer of MODEL (alias, HF directory or .gguf; None: the embedded model), without weights."""
-    from llmopt.models.resolve import resolve_model, weights_dir
-    from llmopt.models.tokenizer import load_tokenizer as load_from_directory
-
-    return load_from_directory(weights_dir(resolve_model(model)))
-
-
 def _run_http(cfg: BenchConfig, console: Console) -> BenchOutcome:
     assert cfg.http is not None
     check_reachable(cfg.http.base_url)  # fail fast, before loading a tokenizer
     needs_tokenizer = cfg.workload.kind != "jsonl" or cfg.tokenizer is not None
     tokenizer = load_tokenizer(cfg.tokenizer) if needs_tokenizer else None
-    requests = _build_workload(cfg, tokenizer, console)
+    # a server's prefix cache cannot be emptied between rounds: each round gets its own prompt tokens
+    works = ([_build_workload(cfg, tokenizer, console)] if cfg.rounds == 1 else
+             [_build_workload(cfg, tokenizer, console, salt=r) for r in range(cfg.rounds)])
     with make_progress(console, cfg.progress) as progress:
-        info, runs, interrupted = asyncio.run(_http_sweep(cfg, requests, progress))
+        info, runs, interrupted = asyncio.run(_http_sweep(cfg, works, progress))
     report = _report(cfg, info, runs)
     render_report(report, console)
     return BenchOutcome(report=report, interrupted=interrupted)
 
 
-async def _http_sweep(cfg: BenchConfig, requests: list[BenchRequest], progress: Progress
+async def _http_sweep(cfg: BenchConfig, works: list[Work], progress: Progress
                       ) -> tuple[TargetInfo, list[BenchRun], bool]:
-    """Every load level against the server, with a /metrics diff around each measured run.
+    """Every load level against the server (each round with its own work), with a /metrics diff around
+    each measured run.
 
     Ctrl-C cancels this task; `run_load` turns that into a partial result, and a cancellation that lands
     between runs (during a scrape or the warm-up) ends the sweep here. Either way we return normally.
@@ -300,31 +316,34 @@ async def _http_sweep(cfg: BenchConfig, requests: list[BenchRequest], progress: 
     runs: list[BenchRun] = []
     interrupted = False
     async with HttpTarget(cfg.http) as target:
-        target.validate_requests(requests)
+        for work in works:
+            if not is_conversations(work):
+                target.validate_requests(work)  # type: ignore[arg-type]
         info = TargetInfo(kind="http", url=target.base_url, model=target.model, endpoint=cfg.http.endpoint,
                           server=target.owned_by)
         for pattern in cfg.loads:
-            try:
-                if cfg.warmup:
-                    warm = [requests[i % len(requests)] for i in range(cfg.warmup)]
-                    res = await run_load(target.send, warm, LoadPattern(concurrency=pattern.concurrency),
-                                         progress=progress, description=f"warm-up ({pattern.label()})")
-                    progress.remove_task(progress.task_ids[-1])
-                    if res.interrupted:
-                        interrupted = True
-                        break
-                before = await scrape_metrics(target.base_url, client=target.client)
-                result = await run_load(target.send, requests, pattern, progress=progress)
-                after = None if result.interrupted else await scrape_metrics(target.base_url, client=target.client)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None:
-                    task.uncancel()  # handled: stop the sweep and return what finished
-                interrupted = True
-                break
-            runs.append(BenchRun.from_load(result, cfg.slo, diff_metrics(before, after),
-                                           keep_samples=cfg.keep_samples))
-            if result.interrupted:
-                interrupted = True
+            label = level_label(works[0], pattern)
+            results: list[tuple[LoadResult, ServerMetrics | None]] = []
+            for r, work in enumerate(works):
+                desc = label if len(works) == 1 else f"{label}, round {r + 1}/{len(works)}"
+                try:
+                    result, counters = await http_level(target, work, pattern, warmup=cfg.warmup, progress=progress,
+                                                        description=desc)
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()  # handled: stop the sweep and return what finished
+                    interrupted = True
+                    break
+                if result.interrupted and not result.records:
+                    interrupted = True
+                    break
+                results.append((result, counters))
+                if result.interrupted:
+                    interrupted = True
+                    break
+            if results:
+                runs.append(_run_of(cfg, results, label))
+            if interrupted:
                 break
     return info, runs, interrupted

@@ -165,6 +165,16 @@ def load_named_reports(path: str | Path) -> list[tuple[str, BenchReport]]:
         raise LlmoptError(f"cannot read report {p}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LlmoptError(f"{p} is not JSON: {e}") from None
+    if isinstance(raw, dict) and raw.get("kind") == "ab":
+        from llmopt.bench.ab_report import AbReport
+
+        try:
+            ab = AbReport.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+            raise LlmoptError(f"{p} is not an llmopt A/B report: {where}: {first['msg']}") from None
+        return [(f"{p}:{s.name}", s.report) for s in ab.sides]
     if isinstance(raw, dict) and raw.get("kind") == "scenario":
         try:
             rep = ScenarioReport.model_validate(raw)
@@ -177,7 +187,7 @@ def load_named_reports(path: str | Path) -> list[tuple[str, BenchReport]]:
 
 
 def compare_files(paths: Sequence[str | Path]) -> Comparison:
-    """`--compare`: every report (scenario files expand to their variants) against the first one.
+    """`--compare`: every report (scenario and A/B files expand to their variants/sides) against the first.
 
     Runs are paired by load label; when no label is shared by all reports (the variants of one
     static-vs-continuous file: `static batches of 8` and `concurrency 8`), by position instead.
@@ -186,4 +196,13 @@ def compare_files(paths: Sequence[str | Path]) -> Comparison:
     if len(named) < 2:
         raise LlmoptError("--compare needs at least two reports (files, or one scenario file with variants)")
     shared = set.intersection(*({r.label for r in rep.runs} for _, rep in named))
-    return compare_named(named, match="label" if shared else "index")
+    # the two sides of one A/B file ran interleaved: their rounds pair up
+    paired = len(paths) == 1 and len(named) == 2 and _is_ab(paths[0])
+    return compare_named(named, match="label" if shared else "index", paired=paired)
+
+
+def _is_ab(path: str | Path) -> bool:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("kind") == "ab"
+    except (OSError, ValueError, AttributeError):
+        return False

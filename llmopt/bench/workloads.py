@@ -42,6 +42,7 @@ class BenchRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     expected_prompt_tokens: int | None = Field(None, description="Prompt tokens as we counted them, if known.")
     ignore_eos: bool = True
+    arrival_s: float | None = Field(None, ge=0, description="Trace replay: send offset (s) from the run's start.")
 
     @property
     def is_chat(self) -> bool:
@@ -168,6 +169,12 @@ class TokenSampler:
 # ------------------------------------------------------------------------------------------ workloads
 
 
+def _token_rng(rng: np.random.Generator, seed: int, salt: int | None) -> np.random.Generator:
+    """The generator prompt tokens come from: the lengths' own without a salt (the historic streams),
+    else a separate one, so that a salt changes the tokens and never the lengths."""
+    return rng if salt is None else np.random.default_rng([seed, salt])
+
+
 class RandomWorkload(BaseModel):
     """Random prompts with input/output lengths drawn from distributions (vLLM's `random` dataset)."""
 
@@ -178,12 +185,13 @@ class RandomWorkload(BaseModel):
     seed: int = 0
     token_ids: bool = Field(False, description="Send token ids instead of text (exact prompt lengths).")
     ignore_eos: bool = True
+    salt: int | None = Field(None, description="Other prompt tokens, same lengths (A/B rounds over HTTP).")
 
     _check_lengths = field_validator("input_len", "output_len", mode="before")(_length_field)
 
     def build(self, tokenizer: Tokenizer) -> list[BenchRequest]:
         rng = np.random.default_rng(self.seed)
-        sampler = TokenSampler(tokenizer, rng)
+        sampler = TokenSampler(tokenizer, _token_rng(rng, self.seed, self.salt))
         in_lens = parse_length(self.input_len).sample(rng, self.num_requests)
         out_lens = parse_length(self.output_len).sample(rng, self.num_requests)
         out: list[BenchRequest] = []
@@ -215,12 +223,13 @@ class PrefixWorkload(BaseModel):
     seed: int = 0
     token_ids: bool = False
     ignore_eos: bool = True
+    salt: int | None = Field(None, description="Other prompt tokens, same lengths (A/B rounds over HTTP).")
 
     _check_lengths = field_validator("suffix_len", "output_len", mode="before")(_length_field)
 
     def build(self, tokenizer: Tokenizer) -> list[BenchRequest]:
         rng = np.random.default_rng(self.seed)
-        sampler = TokenSampler(tokenizer, rng)
+        sampler = TokenSampler(tokenizer, _token_rng(rng, self.seed, self.salt))
         suffix_lens = parse_length(self.suffix_len).sample(rng, self.num_requests)
         out_lens = parse_length(self.output_len).sample(rng, self.num_requests)
         if self.token_ids:
