@@ -122,3 +122,19 @@ def test_compare_rejects_a_broken_ab_file(tmp_path, monkeypatch, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"kind": "ab", "sides": []}))
     code, out, err = run_bench_cli(monkeypatch, capsys, "--compare", str(tmp_path / "bad.json"))
     assert code == 2 and "not an llmopt A/B report" in err
+
+
+def test_ab_of_conversations_in_process(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Prefix caching off vs on, with conversations: each side keeps its TTFT per turn, over every round."""
+    code, out, err = run_bench_cli(
+        monkeypatch, capsys, "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu",
+        "--kv-cache-memory", "16MiB", "--no-progress", "--workload", "conversation", "--users", "2", "--turns", "2",
+        "--input-len", "32", "--message-len", "4", "--output-len", "4", "--think-time", "0",
+        "--ab", "prefix-caching=off,name=off", "--ab", "prefix-caching=on,name=on", "--rounds", "2",
+        "--json", str(tmp_path / "c.json"))
+    assert code == 0, err
+    rep = AbReport.model_validate_json((tmp_path / "c.json").read_text())
+    off, on = rep.run(0), rep.run(1)
+    assert [t.completed for t in off.turns] == [t.completed for t in on.turns] == [4, 4]  # 2 users x 2 rounds
+    assert off.server_metrics.prefix_cache_hit_rate is None and on.server_metrics.prefix_cache_hit_rate > 0.3
+    assert "off: TTFT per turn" in out and "on: TTFT per turn" in out
