@@ -120,9 +120,18 @@ def render_ab(rep: AbReport, console: Console) -> None:
                   title_style="bold")
     for col in ("metric", f"A: {a} (mean)", f"B: {b} (mean)", "B / A", "interval", ""):
         table.add_column(col, justify="left" if col in ("metric", "") else "right")
-    for metric, va, vb, ratio, interval, verdict in _rows(rep):
+    rows = _rows(rep)
+    for metric, va, vb, ratio, interval, verdict in rows:
         color = {"B better": "green", "B worse": "red"}.get(verdict, "white")
         table.add_row(metric, va, vb, ratio, interval, f"[{color}]{verdict}[/]")
+    if not rows:  # e.g. a server that answered every request with 503: say so instead of an empty table
+        for s in rep.sides:
+            run = s.report.runs[0] if s.report.runs else None
+            failures = ", ".join(f"{k}: {v}" for k, v in sorted(run.failures.items())) if run else ""
+            console.print(f"[bold red]{s.name}:[/] {run.completed if run else 0} completed"
+                          + (f", failed {failures}" if failures else ""), highlight=False)
+        console.print("no metric was measured on both sides")
+        return
     console.print(table)
     for s in rep.sides:
         run = s.report.runs[0] if s.report.runs else None

@@ -7,6 +7,17 @@ bootstrap interval: the rounds are resampled with replacement (paired, when A an
 one invocation, so that a round where the machine was slow for both cancels out), the ratio is
 recomputed for each resample, and the interval is scipy's BCa interval of those ratios. Everything is
 seeded: the same rounds give the same interval.
+
+With few rounds, bootstrap intervals are too narrow: resampling n values cannot show more spread than
+those n values have, and the normal quantiles behind BCa ignore that the spread itself is estimated.
+Measured here: a server benchmarked against itself in 8 and in 12 rounds gave 95% BCa intervals of
+[0.945, 0.992] and [1.001, 1.015], both excluding 1.0. So by default the level is *expanded*
+(Hesterberg, "What Teachers Should Know About the Bootstrap", 2015): scipy's BCa interval is taken at
+1 - 2 Phi(-sqrt(n / (n - 1)) t_{n-1, 1 - alpha/2}) instead of 1 - alpha, which gives the interval the
+width a t interval would have for small n and converges to the plain level as n grows (0.95 becomes
+0.9998 at 4 rounds, 0.989 at 8, 0.979 at 12, 0.963 at 30). Re-analysed this way, the 12-round run
+gives [0.999, 1.016]; the 8-round one [0.937, 0.997]: a neighbour's load rose during its last rounds
+and hit B's runs more than A's, which no interval over those rounds can know.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ class RatioEstimate(BaseModel):
     confidence: float = DEFAULT_CONFIDENCE
     rounds: int = Field(0, description="Rounds that had the metric on both sides (pairs when paired).")
     paired: bool = True
+    level_used: float | None = Field(None, description="The level scipy computed at (expanded for few rounds).")
 
     def contains(self, value: float) -> bool | None:
         return None if self.low is None or self.high is None else self.low <= value <= self.high
@@ -49,12 +61,13 @@ def _ratio_of_means(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def ratio_interval(a: Sequence[float | None], b: Sequence[float | None], *, paired: bool = True,
                    confidence: float = DEFAULT_CONFIDENCE, seed: int = 0,
-                   n_resamples: int = N_RESAMPLES) -> RatioEstimate:
+                   n_resamples: int = N_RESAMPLES, expand: bool = True) -> RatioEstimate:
     """mean(b) / mean(a) with scipy's seeded BCa bootstrap interval.
 
     Paired: `a[i]` and `b[i]` come from round i; a round missing either value is dropped. Unpaired
     (two separate runs): each side is resampled on its own. Fewer than two values on a side, or a zero
     mean for A, gives no interval; rounds that are all identical give the point as its own interval.
+    `expand` widens the level for few rounds (module docstring); the reported `confidence` stays nominal.
     """
     if paired:
         pairs = [(x, y) for x, y in zip(a, b, strict=True) if _ok(x) and _ok(y)]
@@ -73,14 +86,24 @@ def ratio_interval(a: Sequence[float | None], b: Sequence[float | None], *, pair
         return est
     if np.ptp(xa) == 0 and np.ptp(xb) == 0:  # no spread: every resample gives the point itself
         return est.model_copy(update={"low": point, "high": point})
+    level = expanded_level(confidence, n) if expand else confidence
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate-data warnings: handled below by a percentile fallback
-        low, high = _bootstrap(xa, xb, paired, confidence, seed, n_resamples, "BCa")
+        low, high = _bootstrap(xa, xb, paired, level, seed, n_resamples, "BCa")
         if not (math.isfinite(low) and math.isfinite(high)):
-            low, high = _bootstrap(xa, xb, paired, confidence, seed, n_resamples, "percentile")
+            low, high = _bootstrap(xa, xb, paired, level, seed, n_resamples, "percentile")
     if not (math.isfinite(low) and math.isfinite(high)):
         return est
-    return est.model_copy(update={"low": low, "high": high})
+    return est.model_copy(update={"low": low, "high": high, "level_used": level})
+
+
+def expanded_level(confidence: float, n: int) -> float:
+    """Hesterberg's expanded bootstrap level for n values: 1 - 2 Phi(-sqrt(n/(n-1)) t_{n-1}(1 - alpha/2))."""
+    from scipy.stats import norm, t
+
+    alpha = 1.0 - confidence
+    level = 1.0 - 2.0 * norm.cdf(-math.sqrt(n / (n - 1)) * t.ppf(1.0 - alpha / 2.0, n - 1))
+    return float(min(level, 1.0 - 1e-6))  # two rounds: ~1, which scipy refuses; the min/max of the resamples
 
 
 def _bootstrap(xa: np.ndarray, xb: np.ndarray, paired: bool, confidence: float, seed: int,
