@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.llmopt-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench clean interop bench-peers quant-peers
+.PHONY: install demo test test-fast lint bench clean interop bench-peers quant-peers bench-big
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,12 @@ bench-peers: install
 quant-peers: install
 	bash benchmarks/peers/install_llmcompressor.sh
 	$(PY) benchmarks/peers/quant_peers.py --write-doc $(QUANT_PEERS_ARGS)
+
+# Not part of `make test`: a seeded random Llama-3-8B (16 GB in bf16, needs 40 GB of free disk) through quantize,
+# generate and eval, each stage's peak memory (docs/BENCHMARKS.md, "Models of the size people deploy");
+# BIG_ARGS="--shape 1b" for a ~1.2B model in minutes
+bench-big: install
+	$(PY) benchmarks/big_model.py --shape llama3-8b $(BIG_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,6 +1,7 @@
 """A model of the size people deploy, end to end, with each stage's peak memory (issue #30).
 
-    python benchmarks/big_model.py [--shape 1b|llama3-8b] [--workdir DIR] [--stages quantize,generate] [--keep]
+    python benchmarks/big_model.py [--shape 1b|llama3-8b] [--workdir DIR] [--stages quantize,generate,eval]
+    make bench-big [BIG_ARGS="--shape 1b"]        # the Llama-3-8B shape by default
 
 1. Writes a seeded random checkpoint of a real architecture through transformers itself (`save_pretrained`,
    bf16, HF shards of 5 GB): `1b` is a 1.2B Llama (hidden 2048, 22 layers, intermediate 5632, GQA 32/4,
@@ -10,7 +11,11 @@
    peak RssAnon (anonymous memory: what the process allocated, without the page cache of the mapped
    checkpoint) and peak VmRSS, and its wall time.
    - quantize: W8A16 RTN, W4A16 RTN g128, W4A16 GPTQ g128 (16 windows of 512 tokens);
-   - generate: 64 tokens, greedy, bf16 on the source checkpoint and on each quantized one.
+   - generate: 64 tokens, greedy, bf16 on the source checkpoint and on each quantized one;
+   - eval: perplexity, KL and top-1 of the W8A16 checkpoint against the bf16 model (`--eval-tokens` of
+     WikiText-2 when ../shared/data has it, else the shipped calibration prose), one model after the other.
+   The machine's DRAM read bandwidth is measured first (a sum over a 2 GB tensor, torch's threads), and each
+   decode speed is given as the share of it that its weight bytes per token use.
 3. Prints a Markdown table (docs/BENCHMARKS.md keeps it with the command) and deletes each artifact once
    its stages are measured (`--keep` leaves them). Checks free disk first.
 
@@ -106,8 +111,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="1b")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
-    ap.add_argument("--stages", default="quantize,generate")
+    ap.add_argument("--stages", default="quantize,generate,eval")
     ap.add_argument("--gptq-windows", type=int, default=16)
+    ap.add_argument("--eval-tokens", type=int, default=1024)
+    ap.add_argument("--schemes", default="w8a16-rtn,w4a16-rtn,w4a16-gptq")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="llmopt-big-"))
@@ -117,6 +124,8 @@ def main() -> None:
     if free < need:
         raise SystemExit(f"{work}: {gb(free)} free, this shape needs {gb(need)}")
     stages = set(args.stages.split(","))
+    bandwidth = read_bandwidth()
+    print(f"DRAM read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     py = [sys.executable, "-m", "llmopt"]
     src = work / f"{args.shape}-bf16"
     rows: list[tuple[str, dict, float]] = []
@@ -125,6 +134,8 @@ def main() -> None:
         size = write_checkpoint(args.shape, src)
         print(f"wrote {src}: {gb(size)} in {time.perf_counter() - t0:.0f} s", flush=True)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    shape = SHAPES[args.shape]
+    embedding = shape["vocab_size"] * shape["hidden_size"] * 2  # bf16 in every checkpoint, one row read a token
     quantized = {
         "w8a16-rtn": ["--scheme", "w8a16"],
         "w4a16-rtn": ["--scheme", "w4a16", "--group-size", "128"],
@@ -137,7 +148,12 @@ def main() -> None:
         r = measure([*py, *gen[:1], str(src), "--dtype", "bfloat16", *gen[1:]])
         rows.append(("generate bf16", r, size))
         print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+    unknown = set(args.schemes.split(",")) - set(quantized)
+    if unknown:
+        raise SystemExit(f"--schemes: unknown {sorted(unknown)}; choose from {sorted(quantized)}")
     for name, opts in quantized.items():
+        if name not in args.schemes.split(","):
+            continue
         out = work / name
         if "quantize" in stages:
             shutil.rmtree(out, ignore_errors=True)
@@ -149,27 +165,71 @@ def main() -> None:
             r = measure([*py, *gen[:1], str(out), "--dtype", "bfloat16", *gen[1:]])
             rows.append((f"generate {name}", r, qsize))
             print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+        if "eval" in stages and name == "w8a16-rtn" and out.exists():
+            r = measure([*py, "eval", str(out), "--baseline", str(src), "--ppl-data", str(eval_text()),
+                         "--max-tokens", str(args.eval_tokens), "--seq-len", "512", "--json"])
+            rows.append(("eval W8A16 against bf16", r, size))
+            print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", _eval_summary(r["output"]), flush=True)
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
     print(f"\n{args.shape}: bf16 checkpoint {gb(size)}, CPU {cpu()}, torch threads {os.environ.get('OMP_NUM_THREADS', 'all')}")
-    print("| stage | peak RssAnon | vs the bf16 checkpoint | peak VmRSS | time | decode |")
+    print(f"DRAM read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 2 GB tensor)")
+    print("| stage | peak RssAnon | vs the bf16 checkpoint | peak VmRSS | time | decode / result |")
     print("|---|---|---|---|---|---|")
-    for name, r, _ in rows:
-        rate = _decode_rate(r["output"]) if name.startswith("generate") else ""
+    for name, r, stage_bytes in rows:
+        if name.startswith("generate"):
+            result = _decode_rate(r["output"], stage_bytes - embedding, bandwidth)
+        else:
+            result = _eval_summary(r["output"]) if name.startswith("eval") else ""
         print(f"| {name} | {gb(r['peak_anon'])} | {r['peak_anon'] / size:.2f}x | {gb(r['peak_rss'])} "
-              f"| {r['seconds']:.0f} s | {rate} |")
+              f"| {r['seconds']:.0f} s | {result} |")
 
 
-def _decode_rate(output: str) -> str:
-    """generate --json's decode speed."""
-    m = re.search(r"\{.*\}", output, re.S)
+def _json(output: str) -> dict:
+    """The JSON object a --json command printed (progress lines may come before it)."""
+    m = re.search(r"^\{.*\}", output, re.S | re.M)
     try:
-        rate = json.loads(m.group(0)).get("decode_tok_s") if m else None
+        return json.loads(m.group(0)) if m else {}
     except json.JSONDecodeError:
-        rate = None
-    return f"{rate} tok/s" if rate else ""
+        return {}
+
+
+def _decode_rate(output: str, weight_bytes: float, bandwidth: float) -> str:
+    """generate --json's decode speed, and the share of the read bandwidth its weight bytes per token use
+    (every weight is read once a token; the KV and the embedding row are noise at this size)."""
+    rate = _json(output).get("decode_tok_s")
+    return f"{rate} tok/s, {rate * weight_bytes / bandwidth:.0%} of the bandwidth" if rate else ""
+
+
+def _eval_summary(output: str) -> str:
+    ppl = _json(output).get("perplexity") or {}
+    if "baseline" not in ppl:
+        return ""
+    b, c = ppl["baseline"]["ppl"], ppl["candidate"]["ppl"]
+    return (f"ppl {b:.4g} -> {c:.4g} ({100 * (c / b - 1):+.2f}%), KL {ppl['kl_div']:.2e}, "
+            f"top-1 {ppl['top1_agreement']:.3f}, {ppl['candidate']['tokens']} tokens")
+
+
+def eval_text() -> Path:
+    """WikiText-2 when the shared data is here, else the shipped calibration prose."""
+    wiki = REPO.parent / "shared" / "data" / "wikitext2-valid.txt"
+    return wiki if wiki.is_file() else CALIB[0]
+
+
+def read_bandwidth(gbytes: float = 2.0, rounds: int = 5) -> float:
+    """DRAM read bandwidth in bytes/s: the best of `rounds` sums over a tensor far larger than the caches."""
+    import torch
+
+    x = torch.ones(int(gbytes * 1e9) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
 
 
 def cpu() -> str:

@@ -207,8 +207,9 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
         _check_lmeval_models([opts.model] + ([opts.baseline] if opts.baseline else []))
     # 2. each model in turn: the baseline first (its top-k log-probs are kept for KL), then the candidate
     batch = opts.max_batch_tokens or default_batch_tokens(opts.seq_len, resolve_device(opts.device))
-    roles = ([("baseline", opts.baseline, opts.engine_options(batch, baseline=True))] if opts.baseline else []) + \
-        [("candidate", opts.model, opts.engine_options(batch))]
+    gen = any(t.output_type == "generate_until" for t in task_list)
+    roles = ([("baseline", opts.baseline, opts.engine_options(batch, baseline=True, generation=gen))]
+             if opts.baseline else []) + [("candidate", opts.model, opts.engine_options(batch, generation=gen))]
     reference = BaselineTopK(opts.kl_top_k) if opts.baseline and text is not None else None
     models: dict[str, dict[str, Any]] = {}
     scores: dict[str, TextScore] = {}

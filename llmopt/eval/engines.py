@@ -35,11 +35,13 @@ class EngineOptions(BaseModel):
     max_batch_tokens: int = Field(4096, ge=2)
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit (as lm-eval's HFLM)
     max_num_seqs: int = Field(64, ge=1)
+    generation_tokens: int = Field(_GENERATION_TOKENS, ge=0)  # pool room for generate_until tasks (0: none)
 
 
 def build_llm(model: str | None, opts: EngineOptions) -> LLM:
-    """An LLM whose pool fits one scoring batch of `max_batch_tokens` and concurrent generation."""
-    tokens = max(opts.max_batch_tokens, opts.max_model_len or 0, _GENERATION_TOKENS)
+    """An LLM whose pool fits one scoring batch of `max_batch_tokens` and concurrent generation (an 8B
+    model's 16k-token pool is 2 GB: only an eval with generation tasks asks for it)."""
+    tokens = max(opts.max_batch_tokens, opts.max_model_len or 0, opts.generation_tokens)
     cfg = EngineConfig(model=model, dtype=opts.dtype, device=opts.device, kv_cache_dtype=opts.kv_cache_dtype,
                        max_num_batched_tokens=max(opts.max_batch_tokens, 2048), max_num_seqs=opts.max_num_seqs,
                        num_kv_blocks=math.ceil(tokens / 16) + 1, block_size=16,
@@ -53,12 +55,15 @@ def build_llm(model: str | None, opts: EngineOptions) -> LLM:
         raise LlmoptError(f"cannot load model {model or 'smollm2-135m'!r}: {type(e).__name__}: {first}") from None
 
 
-def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a loaded model's weights as they sit in memory (packed or quantized; shared ones once)."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a loaded model's tensors as they sit in memory: parameters, buffers and the tensors modules
+    keep as attributes (packed weights are neither; `state_dict()` would unpack them, a transient copy of
+    the model). Shared storages count once."""
     seen: dict[int, int] = {}
-    for t in list(module.state_dict(keep_vars=True).values()):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for mod in model.modules():
+        for t in [*mod._parameters.values(), *mod._buffers.values(), *vars(mod).values()]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

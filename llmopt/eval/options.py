@@ -53,11 +53,13 @@ class EvalOptions(BaseModel):
             raise ValueError(f"dtype must be one of {', '.join(allowed)}")
         return v
 
-    def engine_options(self, batch_tokens: int, baseline: bool = False) -> EngineOptions:
-        """Engine settings of the candidate (or the baseline: its own dtype/KV dtype when given)."""
+    def engine_options(self, batch_tokens: int, baseline: bool = False, generation: bool = True) -> EngineOptions:
+        """Engine settings of the candidate (or the baseline: its own dtype/KV dtype when given); without
+        `generation` (no generate_until task) the KV pool holds one scoring batch only."""
         return EngineOptions(
             dtype=(self.baseline_dtype or self.dtype) if baseline else self.dtype,
             device=self.device,
             kv_cache_dtype=self.baseline_kv_cache_dtype if baseline else self.kv_cache_dtype,
             max_batch_tokens=max(batch_tokens, self.seq_len),
+            **({} if generation else {"generation_tokens": 0}),
         )

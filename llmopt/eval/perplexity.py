@@ -26,8 +26,9 @@ from llmopt.engine.scoring import iter_hidden
 from llmopt.errors import LlmoptError
 from llmopt.eval.divergence import BaselineTopK, DivergenceStats
 
-# rows of [tokens, vocab] processed at once by the NLL kernel: bounds temporaries to ~100 MB
-_ROW_CHUNK = 512
+# float32 logits computed at once (rows x vocab x 4 bytes): 64 MB, 130 rows of a 128k vocabulary; the
+# log-softmax temporaries of the NLL and KL add a few times that
+_LOGIT_CHUNK_BYTES = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -135,13 +136,14 @@ def score_text(engine: LLMEngine, token_ids: list[int], seq_len: int, stride: in
     total_scored = sum(w.num_scored for w in windows)
     done = 0
     ids_all = torch.tensor(token_ids, dtype=torch.long)
+    rows = max(16, _LOGIT_CHUNK_BYTES // (4 * engine.spec.vocab_size))
     t0 = time.perf_counter()
     for j, hidden in iter_hidden(engine, [token_ids[w.begin:w.end] for w in windows], max_batch_tokens=batch):
         w = windows[j]
         nll = []
-        # only the rows that predict scored tokens, in chunks: [rows, vocab] float32 stays ~100-250 MB
-        for lo in range(w.score_from - 1, w.length - 1, _ROW_CHUNK):
-            hi = min(lo + _ROW_CHUNK, w.length - 1)
+        # only the rows that predict scored tokens, in chunks of `rows`
+        for lo in range(w.score_from - 1, w.length - 1, rows):
+            hi = min(lo + rows, w.length - 1)
             logits = engine.model.compute_logits(hidden[lo:hi])
             nll.append(rows_nll(logits, ids_all[w.begin + lo + 1:w.begin + hi + 1]))
             if record is not None:
