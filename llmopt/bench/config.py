@@ -322,6 +322,9 @@ class BenchOptions(BaseModel):
         if not self.burstiness > 0 or not math.isfinite(self.burstiness):
             raise LlmoptError(f"--burstiness must be a positive number, got {self.burstiness:g}")
         static = scenario is not None and any(v.batching == "static" for v in scenario.variants)
+        if static and self.workload == "conversation":
+            raise LlmoptError("static batches need independent requests; conversations wait for their answers "
+                              "(use --scenario prefix-cache or speculation)")
         if static:
             if self.request_rate is not None:
                 raise LlmoptError("static batching admits fixed batches, not arrivals: drop --request-rate")

@@ -540,8 +540,9 @@ def _round_interval(base: BenchRun | None, run: BenchRun | None, field: str, pai
 
 def _ratio_text(c: CompareCell) -> str:
     iv = c.interval
-    if iv is not None and iv.low is not None and iv.high is not None:
-        return f"x{c.ratio:.2f} [{iv.low:.2f}, {iv.high:.2f}]"
+    if iv is not None and iv.ratio is not None and iv.low is not None and iv.high is not None:
+        # the interval is about the rounds' means, so is the ratio shown with it (the pooled one may differ)
+        return f"x{iv.ratio:.2f} [{iv.low:.2f}, {iv.high:.2f}] over rounds"
     return f"x{c.ratio:.2f}"
 
 

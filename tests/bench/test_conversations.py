@@ -137,6 +137,7 @@ def test_conversations_against_llmopt_serve(tiny_llama, tmp_path):
     (["--workload", "conversation", "--think-time", "soon"], "cannot parse think time"),
     (["--workload", "conversation", "--message-len", "0"], "token length must be at least 1"),
     (["--users", "3"], "apply to --workload conversation, not random"),
+    (["--workload", "conversation", "--scenario", "static-vs-continuous"], "static batches need independent"),
 ])
 def test_bad_conversation_flags_exit_2(args, needle, monkeypatch, capsys):
     code, out, err = run_bench_cli(monkeypatch, capsys, *args)
