@@ -6,12 +6,18 @@ The measurement core is target-agnostic: every target turns requests into `Reque
 `compute_metrics` applies vLLM's definitions, `find_knee` picks the load to run at, `report` writes and
 compares the results, `scenarios` compares engine variants (static vs continuous batching, prefix cache).
 
+`ab` runs two targets in interleaved rounds and `ab_stats` puts bootstrap intervals on their ratios;
+`conversations` and `trace_workload` are the multi-turn and trace-replay workloads.
+
 `run_bench(BenchOptions(...).build())` is the whole `llmopt bench` command as one call.
 """
 
 from __future__ import annotations
 
+from llmopt.bench.ab_report import AbReport
+from llmopt.bench.ab_stats import RatioEstimate, ratio_interval
 from llmopt.bench.config import BenchConfig, BenchOptions
+from llmopt.bench.conversations import ConversationWorkload
 from llmopt.bench.engine_counters import StepStatsCollector
 from llmopt.bench.http_target import (
     HttpTarget,
@@ -47,6 +53,7 @@ from llmopt.bench.report import (
 from llmopt.bench.runner import BenchInterrupted, BenchOutcome, run_bench, show_comparison
 from llmopt.bench.scenario_report import ScenarioReport, VariantResult, compare_files
 from llmopt.bench.scenarios import SCENARIOS, Scenario, ScenarioParams, Variant, build_scenario
+from llmopt.bench.trace_workload import TraceWorkload, load_trace
 from llmopt.bench.workloads import (
     BenchRequest,
     JsonlWorkload,
@@ -61,6 +68,12 @@ from llmopt.bench.workloads import (
 
 __all__ = [
     "SCENARIOS",
+    "AbReport",
+    "ConversationWorkload",
+    "RatioEstimate",
+    "TraceWorkload",
+    "load_trace",
+    "ratio_interval",
     "BenchConfig",
     "BenchInterrupted",
     "BenchOptions",

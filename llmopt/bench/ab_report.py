@@ -143,7 +143,7 @@ def ab_markdown(rep: AbReport) -> str:
     a, b = (s.name for s in rep.sides)
     lines = ["# llmopt bench --ab", "", f"- A = `{a}`: {rep.sides[0].spec}", f"- B = `{b}`: {rep.sides[1].spec}",
              f"- {rep.rounds} rounds, order {' '.join(rep.sequence)}; intervals: {100 * rep.confidence:g}% "
-             "bootstrap (scipy BCa, paired by round)", "",
+             "bootstrap (scipy BCa at the expanded level, paired by round)", "",
              "| metric | A (mean) | B (mean) | B / A | interval | |", "|---|---:|---:|---:|---:|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in _rows(rep)]
     lines.append("")
