@@ -479,6 +479,8 @@ def eval_(
     baseline_dtype: Optional[str] = typer.Option(None, help="Baseline dtype (default: --dtype)."),
     baseline_kv_cache_dtype: str = typer.Option("auto", help="Baseline KV cache: auto|int8."),
     max_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per scoring forward (default: a few windows)."),
+    kl_top_k: int = typer.Option(256, help="Baseline log-probs kept per token for KL and top-1 (8 bytes each; "
+                                 "KL over the top-k plus one bucket for the rest, a lower bound)."),
     report: Optional[str] = typer.Option(None, "--report", help="Write a Markdown report here (atomically)."),
     bisect: bool = typer.Option(False, "--bisect", help="Attribute the candidate's drop to its optimizations and "
                                 "layers (needs --baseline and --ppl-data)."),
@@ -506,8 +508,6 @@ def _error(message: str) -> None:
 @app.command("run")
 def run(
     recipe: str = typer.Argument(..., help="Recipe YAML (see recipes/ and docs/RECIPES.md)."),
-    kl_top_k: int = typer.Option(256, help="Baseline log-probs kept per token for KL and top-1 (8 bytes each; "
-                                 "KL over the top-k plus one bucket for the rest, a lower bound)."),
     out: Optional[str] = typer.Option(None, "--out", help="Run directory (default: runs/RECIPE_NAME)."),
     stages: Optional[str] = typer.Option(None, "--stages", help="Only these stages, comma-separated: vram_plan, "
                                          "calibrate, quantize, eval, serve, bench."),

@@ -14,15 +14,16 @@ PKG = Path(__file__).resolve().parents[1] / "llmopt"
 
 # package -> packages it must never import
 FORBIDDEN = {
-    "layers": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "planning"},
-    "quant": {"engine", "serve", "bench", "eval", "recipe", "cli"},
-    "models": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli"},
+    "layers": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "planning", "loading"},
+    "quant": {"engine", "serve", "bench", "eval", "recipe", "cli", "loading"},
+    "models": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "loading", "quant"},
     "planning": {"engine", "serve", "bench", "eval", "quant", "calibrate", "recipe", "cli"},
     "engine": {"serve", "bench", "eval", "recipe", "cli"},
     "bench": {"serve", "eval", "recipe", "cli"},
     "serve": {"bench", "eval", "recipe", "cli"},
     "eval": {"serve", "bench", "recipe", "cli"},
     "calibrate": {"serve", "bench", "eval", "recipe", "cli"},
+    "loading": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli"},
 }
 
 
@@ -186,10 +187,12 @@ def test_planning_has_no_internal_cycle_even_inside_functions():
     assert not _cycles(graph), _cycles(graph)
 
 
-def test_models_never_imports_quant_at_module_level():
-    """quant builds on models (export/checkpoint/sequential import models.llama); models reaches quant
-    only from inside a function (loader.py loads a quantized checkpoint lazily)."""
-    bad = [m for m in MODULES if _subpackage(m) == "models" and any(_subpackage(t) == "quant" for t in _edges(m))]
+def test_models_never_imports_quant_or_loading_even_inside_functions():
+    """One way down: quant and loading build on models; models never reaches back up, not even lazily
+    (a quantized checkpoint is loaded by llmopt.loading, which composes models' float fill with quant's
+    weight formats)."""
+    bad = [m for m in MODULES if _subpackage(m) == "models"
+           and any(_subpackage(t) in ("quant", "loading") for t in _edges(m, top_level=False))]
     assert not bad, bad
 
 

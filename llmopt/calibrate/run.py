@@ -74,7 +74,7 @@ def sample_windows(cfg: CalibrationDataConfig, tokenizer, console: Console | Non
 def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Manifest:
     """Calibrate `cfg.model` and write `cfg.output`; returns the manifest written."""
     from llmopt.devices import resolve_device
-    from llmopt.models.loader import load_model
+    from llmopt.loading.load import load_model
     from llmopt.models.resolve import resolve_model, weights_dir
     from llmopt.models.tokenizer import load_tokenizer
 

@@ -17,15 +17,14 @@ from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.structured_output import StructuredOutputCompiler
 from llmopt.errors import LlmoptError
 from llmopt.layers.attention import GroupedKVCache, PagedKVCache, get_backend
-from llmopt.layers.packed_linear import pack_linears
+from llmopt.loading.formats import kv_cache_scales
+from llmopt.loading.load import load_model
 from llmopt.models.base import CausalLM
-from llmopt.models.loader import load_model, parse_dtype
+from llmopt.models.loader import parse_dtype
 from llmopt.models.resolve import ResolvedModel, resolve_model, weights_dir
 from llmopt.models.spec import ModelSpec
 from llmopt.models.tokenizer import load_tokenizer
-from llmopt.quant.checkpoint import kv_cache_scales
 from llmopt.quant.linear import use_native_int8_kernel
-from llmopt.quant.packed_int8 import pack_int8_linears
 
 DEFAULT_CPU_KV_MEMORY = 2 * 1024**3
 
@@ -59,7 +58,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     s = resolved.spec
     device = resolve_device(config.device)
     dtype = parse_dtype(config.dtype, s.dtype, device)
-    model = load_model(resolved, dtype, device)
+    model = load_model(resolved, dtype, device, pack=not config.enforce_eager)  # packed as each layer lands
     wdir = weights_dir(resolved)
     tokenizer = load_tokenizer(wdir)
     eos = eos_ids(wdir, tokenizer, s.eos_token_id)
@@ -72,15 +71,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     sc = config.speculative
     draft, draft_dtype, draft_bytes = None, None, 0
     if sc is not None and sc.method == "draft":
-        draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device)
+        draft, draft_dtype = _load_draft(sc.draft_model, sc.draft_dtype, s, tokenizer, device, not config.enforce_eager)
         ds = draft.spec  # the draft's pool mirrors the target's (group 0) block for block
         draft_bytes = attn.bytes_per_block(ds.num_layers, ds.num_kv_heads, ds.head_dim, draft_dtype)
-    for m in [m for m in (model, draft) if m is not None]:
-        if config.enforce_eager:  # int8 weights on torch's kernel, not ours
+    if config.enforce_eager:  # int8 weights on torch's kernel, not ours (otherwise packed while loading)
+        for m in [m for m in (model, draft) if m is not None]:
             use_native_int8_kernel(m, False)
-        else:  # bf16/fp16 on a CPU: weights packed once (faster decode), W8A16's int8 ones too
-            pack_linears(m)
-            pack_int8_linears(m)
     kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
                                                              draft is not None)
     if kv_scales is not None and kv_cache.quantized:
@@ -131,7 +127,7 @@ def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: t
 
 
 def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
-                device: torch.device) -> tuple[CausalLM, torch.dtype]:
+                device: torch.device, pack: bool) -> tuple[CausalLM, torch.dtype]:
     """The separate draft model and the dtype it runs in; it must share the target's tokenizer."""
     resolved = resolve_model(name)
     if resolved.spec.vocab_size != target.vocab_size:
@@ -141,7 +137,7 @@ def _load_draft(name: str, requested_dtype: str, target: ModelSpec, tokenizer,
     if dtok.get_vocab() != tokenizer.get_vocab():
         raise LlmoptError(f"draft model {name!r} does not use the target's tokenizer")
     dtype = parse_dtype(requested_dtype, resolved.spec.dtype, device)
-    return load_model(resolved, dtype, device), dtype
+    return load_model(resolved, dtype, device, pack=pack), dtype
 
 
 def _num_blocks(c: EngineConfig, spec: ModelSpec, device: torch.device, per_block: int, reserved: int = 0) -> int:

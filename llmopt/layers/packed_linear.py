@@ -146,14 +146,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, {layout}"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every plain dense bf16/fp16 CPU Linear of `model` for a PackedLinear; returns how many. Quantized
-    modules, linears with hooks and MoE experts (the grouped path stacks their plain weights) are kept."""
+def pack_linears(model: nn.Module, under: str | None = None) -> int:
+    """Swap every plain dense bf16/fp16 CPU Linear of `model` (or of its module `under`, the loader packing one
+    layer at a time) for a PackedLinear; returns how many. Quantized modules, linears with hooks and MoE experts
+    (the grouped path stacks their plain weights) are kept."""
     experts = [name for name, mod in model.named_modules() if isinstance(mod, SparseMoeBlock)]
     names = [name for name, mod in model.named_modules()
              if type(mod) in (nn.Linear, FusedLinear) and not mod._forward_hooks and not mod._forward_pre_hooks
              and not mod.weight.is_meta and packing_supported(mod.weight.dtype, mod.weight.device)
-             and not any(name.startswith(p + ".") for p in experts)]
+             and not any(name.startswith(p + ".") for p in experts)
+             and (under is None or name == under or name.startswith(under + "."))]
     for i, name in enumerate(names):  # by name, so each plain weight is freed once its packed copy is in
         try:
             packed = PackedLinear(model.get_submodule(name))

@@ -1,6 +1,9 @@
-"""Load Hugging Face-layout weights (safetensors) into our fused model (the registry's class for the spec)."""
+"""The float layer of loading: build our model on the meta device, fill a module from HF-layout safetensors, give it
+back. `llmopt.loading` composes these with the quantized formats and packing; quant's pipeline streams them."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,7 +14,7 @@ from llmopt.layers.linear import output_splits
 from llmopt.models.base import CausalLM
 from llmopt.models.reader import CheckpointTensors
 from llmopt.models.registry import build_model
-from llmopt.models.resolve import ResolvedModel, weights_dir
+from llmopt.models.resolve import ResolvedModel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -32,20 +35,26 @@ def parse_dtype(dtype: str | torch.dtype, spec_dtype: str = "float32", device: t
 
 
 def fill_module(model: CausalLM, tensors: CheckpointTensors, prefix: str | None = None,
-                device: str | torch.device | None = None) -> None:
-    """Fill our parameters under `prefix` (a module path such as `layers.3`, or every one when None) from the
-    checkpoint, shape-checked; with `device`, that module is first materialized there from the meta device.
-    Streamed callers fill one module at a time, so only it is in memory (`release` gives it back)."""
+                device: str | torch.device | None = None, skip: Callable[[str], bool] | None = None) -> None:
+    """Fill our parameters under `prefix` (a module path such as `layers.3`, or every one when None) that are
+    still on the meta device from the checkpoint, shape-checked, materializing them on `device` first.
+    Streamed callers fill one module at a time, so only it is in memory (`release` gives it back).
+    `skip(name)`: checkpoint tensors another reader already took (a quantized linear's)."""
+    inside = (lambda name: True) if prefix is None else (lambda name: name.startswith(prefix + "."))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pending = {name for name, p in params.items() if p.is_meta and inside(name)}
     if device is not None:
         _move_params(model, prefix, device)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    inside = (lambda name: True) if prefix is None else (lambda name: name.startswith(prefix + "."))
+        params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    wanted = [name for name in tensors.names() if "rotary_emb" not in name and inside(type(model).hf_to_ours(name)[0])]
+    wanted = [name for name in tensors.names() if "rotary_emb" not in name and not (skip and skip(name))
+              and inside(type(model).hf_to_ours(name)[0])]
     with torch.no_grad():
         for name, tensor in tensors.read(wanted):
             ours, shard = type(model).hf_to_ours(name)
-            if ours not in params:
+            if ours == "lm_head.weight" and model.spec.tie_word_embeddings and ours not in pending:
+                continue  # a tied head's copy: the embedding is that parameter
+            if ours not in pending:
                 raise LlmoptError(f"{tensors.where[name].name}: unexpected tensor {name!r} (does config.json's "
                                   f"architecture match the weights?)")
             target = params[ours]
@@ -56,10 +65,10 @@ def fill_module(model: CausalLM, tensors: CheckpointTensors, prefix: str | None 
                 raise LlmoptError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
             target.copy_(tensor)
             loaded.add(ours if shard is None else f"{ours}:{shard}")
-    # every parameter, a fused one once per checkpoint projection in it
+    # every pending parameter, a fused one once per checkpoint projection in it
     expected = {f"{name}.{p}" + (f":{s}" if s else "") for name, mod in model.named_modules()
                 for p, _ in mod.named_parameters(recurse=False) for s in output_splits(mod) or [None]
-                if inside(f"{name}.{p}")}
+                if f"{name}.{p}" in pending}
     if model.spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)
@@ -68,12 +77,14 @@ def fill_module(model: CausalLM, tensors: CheckpointTensors, prefix: str | None 
 
 
 def _move_params(model: CausalLM, prefix: str | None, device: str | torch.device) -> None:
-    """Every parameter under `prefix` replaced by an uninitialized one on `device` (buffers, such as RoPE
-    tables, stay as they are); a tied head keeps sharing the embedding's parameter."""
+    """Every parameter under `prefix` replaced by an uninitialized one on `device` (to the meta device: every
+    one; elsewhere: those still on meta, so modules that landed already are kept). Buffers, such as RoPE
+    tables, stay as they are; a tied head keeps sharing the embedding's parameter."""
+    to_meta = torch.device(device).type == "meta"
     new: dict[int, nn.Parameter] = {}
     for mod in (model if prefix is None else model.get_submodule(prefix)).modules():
         for name, p in list(mod._parameters.items()):
-            if p is not None:
+            if p is not None and (to_meta or p.is_meta):
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 mod._parameters[name] = new[id(p)]
@@ -98,20 +109,3 @@ def build_empty(resolved: ResolvedModel, dtype: torch.dtype, device: str | torch
     if resolved.spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
-
-
-def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> CausalLM:
-    """Build our model for `resolved` and fill it from its weights (GGUF is converted once and cached)."""
-    directory = weights_dir(resolved)
-    torch_dtype = parse_dtype(dtype, resolved.spec.dtype)
-    if resolved.quantization_config is not None:
-        from llmopt.quant.checkpoint import load_quantized_model  # lazy: quant builds on this module
-
-        return load_quantized_model(resolved, directory, torch_dtype, device)
-    model = build_empty(resolved, torch_dtype, device)
-    try:
-        fill_module(model, CheckpointTensors(directory), device=device)
-    except LlmoptError as e:
-        raise LlmoptError(f"{directory}: {e}") from None
-    return model

@@ -15,7 +15,7 @@ Layout (version 1): scales per layer and KV head, x ≈ q · scale with q = roun
 
 Floats are float32 values written as JSON numbers (repr of the exact value), so they read back
 bit-for-bit. Checkpoints written before this file existed (an int8 `kv_cache_scheme` plus per-layer
-`self_attn.k_scale` / `v_scale` tensors) are still read by `llmopt.quant.checkpoint.kv_cache_scales`.
+`self_attn.k_scale` / `v_scale` tensors) are still read by `llmopt.loading.formats.kv_cache_scales`.
 """
 
 from __future__ import annotations

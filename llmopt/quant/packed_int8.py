@@ -63,13 +63,14 @@ class PackedInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights in vnni pairs"
 
 
-def pack_int8_linears(model: nn.Module) -> int:
-    """Swap every `Int8WeightOnlyLinear` of `model` that `PackedInt8Linear` takes, where the kernel runs
-    here; returns how many."""
+def pack_int8_linears(model: nn.Module, under: str | None = None) -> int:
+    """Swap every `Int8WeightOnlyLinear` of `model` (or of its module `under`) that `PackedInt8Linear` takes,
+    where the kernel runs here; returns how many."""
     kernel = vnni_kernel()
     if kernel is None:
         return 0
-    swaps = [name for name, mod in model.named_modules() if PackedInt8Linear.takes(mod)]
+    swaps = [name for name, mod in model.named_modules() if PackedInt8Linear.takes(mod)
+             and (under is None or name == under or name.startswith(under + "."))]
     for name in swaps:  # by name, so each int8 weight is freed once its packed copy is in
         set_submodule(model, name, PackedInt8Linear(model.get_submodule(name), kernel))  # keeps output_splits
     return len(swaps)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from llmopt import LLM, SamplingParams
+from llmopt.loading.load import load_model
 from llmopt.models import resolve_model
-from llmopt.models.loader import load_model
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.rows import slice_rows
 from llmopt.quant.sequential import SequentialOptions, SequentialQuantizer

@@ -12,7 +12,7 @@ from _pipeline_helpers import KB_CALIB
 from llmopt.calibrate import CalibrateConfig, Manifest, SavedStats, collect_stats, run_calibration
 from llmopt.errors import LlmoptError
 from llmopt.layers.rotary import apply_rotary
-from llmopt.models.loader import load_model
+from llmopt.loading.load import load_model
 from llmopt.models.resolve import resolve_model
 
 

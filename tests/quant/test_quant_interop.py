@@ -82,8 +82,8 @@ def test_legacy_int8_kv_cache_scheme_checkpoints_still_load(tiny_llama, tmp_path
     """Checkpoints written before kv_cache_scales.json (int8 kv_cache_scheme + per-layer tensors)."""
     from safetensors.torch import save_file
 
+    from llmopt.loading.formats import kv_cache_scales
     from llmopt.models.resolve import resolve_model
-    from llmopt.quant.checkpoint import kv_cache_scales
     from llmopt.quant.kv_scales import KV_SCALES_FILE
 
     out = tmp_path / "q"
@@ -108,8 +108,8 @@ def test_legacy_int8_kv_cache_scheme_checkpoints_still_load(tiny_llama, tmp_path
 
 def test_a_bad_kv_scales_file_is_one_clear_error(tiny_llama, tmp_path, monkeypatch):
     from llmopt.errors import LlmoptError
+    from llmopt.loading.formats import kv_cache_scales
     from llmopt.models.resolve import resolve_model
-    from llmopt.quant.checkpoint import kv_cache_scales
     from llmopt.quant.kv_scales import KV_SCALES_FILE
 
     out = tmp_path / "q"

@@ -11,8 +11,8 @@ from _pipeline_helpers import calib_options, quantize_tiny
 
 from llmopt import LLM, SamplingParams
 from llmopt.layers.packed_linear import vnni_kernel
+from llmopt.loading.formats import read_quantized_weights
 from llmopt.models.resolve import resolve_model
-from llmopt.quant.checkpoint import read_quantized_weights
 from llmopt.quant.rows import slice_rows
 
 CASES = [

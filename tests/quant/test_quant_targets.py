@@ -10,8 +10,8 @@ import torch
 from pydantic import ValidationError
 
 from llmopt.errors import LlmoptError
+from llmopt.loading.load import load_model
 from llmopt.models.llama import LlamaForCausalLM
-from llmopt.models.loader import load_model
 from llmopt.models.resolve import resolve_model
 from llmopt.models.spec import ModelSpec
 from llmopt.quant.recipe import QuantizeConfig, make_scheme

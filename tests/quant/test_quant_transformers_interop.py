@@ -94,8 +94,8 @@ W8A8_IDS = ["w8a8", "w8a8-gptq", "mixed"]
 def test_every_w8a8_linear_computes_what_transformers_computes(tiny_llama, tmp_path, monkeypatch, options):
     """On the very inputs transformers feeds each of its W8A8 linears, our runtime module (built from
     the checkpoint's weights) gives its outputs: same weights, same activation codes and scales."""
+    from llmopt.loading.formats import read_quantized_weights
     from llmopt.models.resolve import resolve_model
-    from llmopt.quant.checkpoint import read_quantized_weights
     from llmopt.quant.dynamic_int8 import Int8DynamicActivationLinear
 
     out = tmp_path / "q"
