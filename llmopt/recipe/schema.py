@@ -52,6 +52,8 @@ RUNNER_FIELDS: dict[str, frozenset[str]] = {
         "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype", "prefix_caching",
         # outputs go to the run directory
         "json_path", "markdown_path", "plot_path", "progress",
+        # an A/B needs two targets; a recipe has one (CI.md gates a regression with `llmopt bench --ab`)
+        "ab", "ab_order",
     }),
 }
 
