@@ -515,13 +515,17 @@ def run(
                                    "quantize.scheme=w4a16; repeatable."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print which stages would run or be skipped."),
     force: bool = typer.Option(False, "--force", help="Rerun the selected stages even when their inputs are unchanged."),
+    skip_gate: list[str] = typer.Option([], "--skip-gate", help="Leave out the gates on this metric (or this whole "
+                                        "gate expression), named in the summary; e.g. on a random-weight stand-in. "
+                                        "Repeatable."),
     as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object on stdout."),
 ) -> None:
     """Run a recipe: memory plan, calibrate, quantize, eval, serve smoke test, bench; exit 1 when a gate fails."""
     from llmopt.recipe.command import run_command
     from llmopt.recipe.runner import RunRequest
 
-    run_command(RunRequest(recipe=recipe, out=out, stages=stages, overrides=set_, dry_run=dry_run, force=force),
+    run_command(RunRequest(recipe=recipe, out=out, stages=stages, overrides=set_, dry_run=dry_run, force=force,
+                           skip_gates=skip_gate),
                 as_json=as_json, console=console, err_console=err_console)
 
 

@@ -74,7 +74,8 @@ def sample_windows(cfg: CalibrationDataConfig, tokenizer, console: Console | Non
 def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Manifest:
     """Calibrate `cfg.model` and write `cfg.output`; returns the manifest written."""
     from llmopt.devices import resolve_device
-    from llmopt.loading.load import load_model
+    from llmopt.models.loader import build_empty, fill_module, release
+    from llmopt.models.reader import CheckpointTensors
     from llmopt.models.resolve import resolve_model, weights_dir
     from llmopt.models.tokenizer import load_tokenizer
 
@@ -87,10 +88,17 @@ def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Man
     tokenizer = load_tokenizer(directory)
     cs = sample_windows(cfg, tokenizer, console)
     device = resolve_device(cfg.device)
-    model = load_model(resolved, torch.float32, device)
+    # streamed as quantize is: one layer in memory at a time, read just before it runs (so an 8B model
+    # calibrates in about one float32 layer plus the activations, not 32 GB)
+    model = build_empty(resolved, torch.float32, device)
+    tensors = CheckpointTensors(directory)
+    fill_module(model, tensors, "embed_tokens", device)
     with layer_progress(console, "calibrating", resolved.spec.num_layers) as advance:
         stats = collect_stats(model, cs.windows, cfg.observer, cfg.percentile, DTYPES[cfg.forward_dtype],
-                              cfg.batch_tokens, progress=advance)
+                              cfg.batch_tokens, progress=advance,
+                              load_layer=lambda i: fill_module(model, tensors, f"layers.{i}", device),
+                              layer_done=lambda i: release(model, f"layers.{i}"),
+                              after_embedding=lambda: release(model, "embed_tokens"))
     manifest = Manifest(
         model=ModelIdentity.of(resolved, directory),
         data=[data_record(s, cs.per_source.get(s.path, 0)) for s in cfg.sources],

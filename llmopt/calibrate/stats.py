@@ -109,15 +109,23 @@ class SavedStats:
 @torch.no_grad()
 def collect_stats(model: CausalLM, windows: torch.Tensor, observer: str = "minmax",
                   percentile: float = 99.9, dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
-                  progress: Callable[[int], None] | None = None) -> CalibrationStats:
-    """Run the (unquantized) model layer by layer over `windows` and measure every linear's input."""
+                  progress: Callable[[int], None] | None = None,
+                  load_layer: Callable[[int], None] | None = None, layer_done: Callable[[int], None] | None = None,
+                  after_embedding: Callable[[], None] | None = None) -> CalibrationStats:
+    """Run the (unquantized) model layer by layer over `windows` and measure every linear's input. Streamed
+    callers pass `load_layer(i)` / `layer_done(i)` (read a layer just before it runs, free it after) and
+    `after_embedding()` (free the embedding once the windows are embedded): memory then holds one layer."""
     spec = model.spec
     per_batch = max(1, batch_tokens // windows.shape[1])
     batches = embed_batches(model, windows, per_batch, dtype)
+    if after_embedding:
+        after_embedding()
     cache = KVObserver(spec.num_layers, spec.num_kv_heads)
     stats = CalibrationStats(windows=windows.cpu())
-    for i, layer in enumerate(model.layers):
-        fwd = layer_copy(layer, dtype)
+    for i in range(len(model.layers)):
+        if load_layer:
+            load_layer(i)
+        fwd = layer_copy(model.layers[i], dtype)
         mods = {f"layers.{i}.{n}": m for n, m in iter_linears(fwd)}
         for name, m in mods.items():
             stats.inputs[name] = LinearInputStats(ChannelStats(m.in_features), make_observer(observer, percentile))
@@ -130,6 +138,8 @@ def collect_stats(model: CausalLM, windows: torch.Tensor, observer: str = "minma
         with InputHook(mods, record).installed():
             run_layer(fwd, batches, cache)
         del fwd
+        if layer_done:
+            layer_done(i)
         if progress:
             progress(i)
     stats.k_absmax, stats.v_absmax = cache.k_absmax, cache.v_absmax

@@ -31,6 +31,7 @@ class ResolvedRecipe:
     model_ref: str  # alias or absolute path
     overridden: set[KeyPath] = field(default_factory=set)
     overrides: list[str] = field(default_factory=list)
+    skipped_gates: list[str] = field(default_factory=list)  # `section: gate`, left out by --skip-gate
 
     @property
     def base_dir(self) -> Path:

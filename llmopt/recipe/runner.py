@@ -50,6 +50,7 @@ class RunRequest:
     dry_run: bool = False
     force: bool = False  # rerun selected stages even when unchanged
     env: Mapping[str, str] | None = None
+    skip_gates: Sequence[str] = ()  # gates left out by metric or expression (skip_gates.py)
 
 
 def default_run_dir(recipe: str | Path) -> Path:
@@ -105,7 +106,7 @@ def _unique(issues: list[Issue]) -> list[Issue]:
 
 
 def _plan(req: RunRequest) -> _Plan:
-    rr, selected = validate_recipe(req.recipe, req.overrides, req.env, req.stages)
+    rr, selected = validate_recipe(req.recipe, req.overrides, req.env, req.stages, req.skip_gates)
     _preflight(rr, selected)
     run_dir = Path(req.out) if req.out is not None else default_run_dir(req.recipe)
     enabled = [s for s in STAGES if s.enabled(rr)]
@@ -177,7 +178,8 @@ def _dry_run(plan: _Plan, req: RunRequest, started: str) -> RunReport:
             stages.append(_recorded(s, record, "would_skip", why))
         else:
             stages.append(StageReport(s.name, "would_run", f"{s.summary}: {why}"))
-    return RunReport(str(req.recipe), str(plan.run_dir), plan.rr.recipe.description, stages, started, dry_run=True)
+    return RunReport(str(req.recipe), str(plan.run_dir), plan.rr.recipe.description, stages, started, dry_run=True,
+                     skipped_gates=plan.rr.skipped_gates)
 
 
 def _header(console: Console, i: int, n: int, stage: Stage) -> None:
@@ -226,7 +228,8 @@ def run_recipe(req: RunRequest, console: Console | None = None) -> RunReport:
 def _execute(plan: _Plan, req: RunRequest, console: Console, started: str, t_start: float) -> RunReport:
     """The run itself, under the run folder's lock."""
     _write_run_files(plan, req)
-    report = RunReport(str(req.recipe), str(plan.run_dir), plan.rr.recipe.description, [], started)
+    report = RunReport(str(req.recipe), str(plan.run_dir), plan.rr.recipe.description, [], started,
+                       skipped_gates=plan.rr.skipped_gates)
     hashes = dict(plan.reused)
     ctx = StageContext(plan.rr, plan.run_dir, console,
                        artifacts={name: plan.run_dir / name for name in plan.reused})

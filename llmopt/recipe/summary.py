@@ -51,6 +51,7 @@ class RunReport:
     started_at: str
     duration_s: float = 0.0
     dry_run: bool = False
+    skipped_gates: list[str] = field(default_factory=list)  # `section: gate`, left out by --skip-gate
 
     @property
     def failed_gates(self) -> list[str]:
@@ -76,7 +77,8 @@ class RunReport:
         return {"recipe": self.recipe, "run_dir": self.run_dir, "description": self.description,
                 "started_at": self.started_at, "duration_s": round(self.duration_s, 3), "dry_run": self.dry_run,
                 "passed": not self.failed_gates and self.failed_stage is None, "exit_code": self.exit_code,
-                "failed_gates": self.failed_gates, "stages": [s.to_json() for s in self.stages]}
+                "failed_gates": self.failed_gates, "skipped_gates": self.skipped_gates,
+                "stages": [s.to_json() for s in self.stages]}
 
 
 def format_value(name: str, value: Any) -> str:
@@ -98,6 +100,8 @@ def render_markdown(report: RunReport) -> str:
     lines = [f"# {title}: `{report.recipe}`", ""]
     if report.description:
         lines += [report.description.strip(), ""]
+    if report.skipped_gates:
+        lines += ["**Gates skipped** (`--skip-gate`): " + "; ".join(f"`{g}`" for g in report.skipped_gates), ""]
     verdict = ("All gates passed." if report.exit_code == 0 else
                "Gate(s) failed." if report.failed_gates else "A stage failed.")
     lines += [f"Run directory `{report.run_dir}`, started {report.started_at}, {report.duration_s:.1f} s. "

@@ -29,6 +29,7 @@ from llmopt.recipe.loader import RecipeSource, load_recipe_file
 from llmopt.recipe.overrides import apply_overrides
 from llmopt.recipe.resolved import ResolvedRecipe, locate_issue
 from llmopt.recipe.schema import Recipe
+from llmopt.recipe.skip_gates import drop_gates
 from llmopt.recipe.stages import STAGE_NAMES, STAGES, Stage
 from llmopt.recipe.suggest import did_you_mean
 
@@ -86,8 +87,8 @@ def _dedupe(issues: list[Issue]) -> list[Issue]:
     return out
 
 
-def resolve_recipe(path: str | Path, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
-                   ) -> ResolvedRecipe:
+def resolve_recipe(path: str | Path, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                   skip: Sequence[str] = ()) -> ResolvedRecipe:
     """Steps 1-4: a typed recipe, or RecipeInvalid with every problem of the first failing step."""
     source = load_recipe_file(path)
     env = os.environ if env is None else env
@@ -95,6 +96,9 @@ def resolve_recipe(path: str | Path, overrides: Sequence[str] = (), env: Mapping
     if issues:
         raise RecipeInvalid([locate_issue(source, set(), i.path, i.message) for i in issues])
     data, overridden, issues = apply_overrides(data, overrides)
+    if issues:
+        raise RecipeInvalid(issues)
+    data, skipped, issues = drop_gates(data, skip)
     if issues:
         raise RecipeInvalid(issues)
     unknown = [locate_issue(source, overridden, i.path, i.message) for i in unknown_keys(data, Recipe)]
@@ -109,7 +113,7 @@ def resolve_recipe(path: str | Path, overrides: Sequence[str] = (), env: Mapping
     except LlmoptError as e:
         raise RecipeInvalid([locate_issue(source, overridden, ("model",), str(e))]) from None
     return ResolvedRecipe(source=source, recipe=recipe, data=data, model_ref=model_ref, overridden=overridden,
-                          overrides=list(overrides))
+                          overrides=list(overrides), skipped_gates=skipped)
 
 
 def check_model(rr: ResolvedRecipe) -> list[Issue]:
@@ -158,9 +162,10 @@ def select_stages(rr: ResolvedRecipe, names: str | Sequence[str] | None) -> list
 
 
 def validate_recipe(path: str | Path, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                    stages: str | Sequence[str] | None = None) -> tuple[ResolvedRecipe, list[Stage]]:
+                    stages: str | Sequence[str] | None = None, skip_gates: Sequence[str] = ()
+                    ) -> tuple[ResolvedRecipe, list[Stage]]:
     """Everything `llmopt recipe validate` and `llmopt run` check before any work starts."""
-    rr = resolve_recipe(path, overrides, env)
+    rr = resolve_recipe(path, overrides, env, skip_gates)
     selected = select_stages(rr, stages)
     issues = check_stages(rr)
     if issues:

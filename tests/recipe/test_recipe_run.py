@@ -180,6 +180,23 @@ def test_failing_gate_exits_1_and_names_the_gate(full_run, tmp_path, monkeypatch
     assert data["exit_code"] == 1 and data["stages"][3]["status"] == "skipped"
 
 
+def test_skipped_gate_is_left_out_and_named(full_run, tmp_path, monkeypatch, capsys):
+    """--skip-gate takes out the gate that fails (by metric), the run passes, and the summary names it; a
+    name that matches no gate is bad input (exit 2) before any work."""
+    recipe, run_dir = copy_run(full_run, tmp_path)
+    gates = ["--set", "eval.gates=[ppl_increase_pct<=5, nll<=0.001]"]
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(recipe), "--out", str(run_dir), "--json", *gates,
+                             "--skip-gate", "nll")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["skipped_gates"] == ["eval: nll<=0.001"] and data["passed"] is True
+    assert "**Gates skipped** (`--skip-gate`): `eval: nll<=0.001`" in (run_dir / "summary.md").read_text()
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(recipe), "--out", str(run_dir), *gates,
+                             "--skip-gate", "nll<=0.001", "--skip-gate", "kl_dvi")
+    assert code == 2
+    assert "--skip-gate 'kl_dvi' matches no gate of this recipe" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_full_run(tiny_llama, tmp_path, monkeypatch, capsys):
     recipe = make_recipe(tmp_path, tiny_llama)
     code, out, err = run_cli(monkeypatch, capsys, "run", str(recipe), "--out", str(tmp_path / "run"), "--json",
