@@ -1,6 +1,6 @@
 """A model of the size people deploy, end to end, with each stage's peak memory (issue #30).
 
-    python benchmarks/big_model.py [--shape 1b|llama3-8b] [--workdir DIR] [--stages quantize,generate,eval]
+    python benchmarks/big_model.py [--shape 1b|llama2-7b|llama3-8b] [--workdir DIR] [--stages quantize,generate,eval]
     make bench-big [BIG_ARGS="--shape 1b"]        # the Llama-3-8B shape by default
 
 1. Writes a seeded random checkpoint of a real architecture through transformers itself (`save_pretrained`,
@@ -42,6 +42,11 @@ SHAPES = {
     "1b": {"hidden_size": 2048, "num_hidden_layers": 22, "intermediate_size": 5632, "num_attention_heads": 32,
            "num_key_value_heads": 4, "vocab_size": 49152, "tie_word_embeddings": False, "rope_theta": 10000.0,
            "max_position_embeddings": 2048},
+    # Llama-2-7B's shape (the seed recipe's stand-in) with SmolLM2's 49,152-token vocabulary instead of 32,000,
+    # so the offline tokenizer's ids fit: 6.9B parameters instead of 6.7B
+    "llama2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 49152,
+                  "tie_word_embeddings": False, "rope_theta": 10000.0, "max_position_embeddings": 4096},
     "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                   "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
@@ -111,7 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="1b")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
-    ap.add_argument("--stages", default="quantize,generate,eval")
+    ap.add_argument("--stages", default="quantize,generate,eval",
+                    help="quantize,generate,eval; or `write`: only write the checkpoint into --workdir and keep it")
     ap.add_argument("--gptq-windows", type=int, default=16)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--schemes", default="w8a16-rtn,w4a16-rtn,w4a16-gptq")
@@ -119,13 +125,14 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="llmopt-big-"))
     work.mkdir(parents=True, exist_ok=True)
-    need = {"1b": 8e9, "llama3-8b": 40e9}[args.shape]
+    need = {"1b": 8e9, "llama2-7b": 36e9, "llama3-8b": 40e9}[args.shape]
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"{work}: {gb(free)} free, this shape needs {gb(need)}")
     stages = set(args.stages.split(","))
-    bandwidth = read_bandwidth()
-    print(f"DRAM read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    bandwidth = read_bandwidth() if stages != {"write"} else 0.0
+    if bandwidth:
+        print(f"DRAM read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     py = [sys.executable, "-m", "llmopt"]
     src = work / f"{args.shape}-bf16"
     rows: list[tuple[str, dict, float]] = []
@@ -134,6 +141,9 @@ def main() -> None:
         size = write_checkpoint(args.shape, src)
         print(f"wrote {src}: {gb(size)} in {time.perf_counter() - t0:.0f} s", flush=True)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    if stages == {"write"}:
+        print(f"{src}: {gb(size)}")
+        return
     shape = SHAPES[args.shape]
     embedding = shape["vocab_size"] * shape["hidden_size"] * 2  # bf16 in every checkpoint, one row read a token
     quantized = {
