@@ -7,6 +7,14 @@ metric name *means* is up to each command, which passes a lookup function to `ch
 
 A gate whose metric was not measured (the lookup returns None, or NaN) fails: a CI gate that silently
 passes because nothing was measured is worse than no gate.
+
+Where a command measures an interval (`bench --ab` ratios over rounds, `eval` comparisons over items and
+windows), a gate may carry a confidence: `acc_drop<=1@95`. It then reads the NN% interval instead of the
+point estimate, on the side a regression would show: `<=`/`<` pass only when the *upper* bound meets the
+threshold, `>=`/`>` only when the *lower* bound does. That is a non-inferiority test with the threshold
+as its margin: the gate passes only when the data rule the failure out, and a run too small or too noisy
+to tell does not pass ("not shown"), which is what a CI gate should do. `==`/`!=` have no such reading
+and refuse `@`.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
     "!=": operator.ne,
 }
 # longest operators first so that `>=` is not read as `>` followed by `=5`
+_CONF_RE = re.compile(r"^(.*?)@\s*([0-9]*\.?[0-9]+)\s*%?\s*$")
 _GATE_RE = re.compile(
     r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*(>=|<=|==|!=|>|<)\s*"
     r"([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*(%?)\s*$"
@@ -109,3 +118,83 @@ def failure_message(results: Sequence[GateResult]) -> str | None:
     if not failed:
         return None
     return f"{len(failed)} gate(s) failed: " + "; ".join(r.describe().removeprefix("FAIL ") for r in failed)
+
+
+# ------------------------------------------------------------------------- gates with a confidence
+
+
+class ConfidenceGate(BaseModel):
+    """A gate, and the confidence (0..1) its interval form asks for; None: the point estimate."""
+
+    gate: Gate
+    confidence: float | None = None
+
+    @property
+    def expression(self) -> str:
+        conf = "" if self.confidence is None else f"@{100 * self.confidence:g}"
+        return self.gate.expression + conf
+
+    @property
+    def bound(self) -> Literal["low", "high"]:
+        """The side of the interval a failure would show on: the lower bound for >=/>, the upper for <=/<."""
+        return "low" if self.gate.op in (">=", ">") else "high"
+
+
+def parse_confidence_gate(text: str) -> ConfidenceGate:
+    """`METRIC OP NUMBER` or `METRIC OP NUMBER@CONFIDENCE` (percent, 50 < CONFIDENCE < 100)."""
+    m = _CONF_RE.match(text or "")
+    if m is None:
+        return ConfidenceGate(gate=parse_gate(text))
+    gate = parse_gate(m.group(1))
+    conf = float(m.group(2))
+    if not 50 < conf < 100:
+        raise LlmoptError(f"gate {text!r}: the confidence after @ is a percentage between 50 and 100, e.g. @95")
+    if gate.op in ("==", "!="):
+        raise LlmoptError(f"gate {text!r}: a confidence (@) needs >=, >, <= or <")
+    return ConfidenceGate(gate=gate, confidence=conf / 100)
+
+
+def parse_confidence_gates(texts: Iterable[str]) -> list[ConfidenceGate]:
+    """Several gates; each item may hold several separated by `;`."""
+    return [parse_confidence_gate(part) for text in texts for part in text.split(";") if part.strip()]
+
+
+Verdict = Literal["pass", "not shown", "fail"]
+
+
+class IntervalGateResult(GateResult):
+    """A gate checked on one bound of an interval; `value` is that bound. The verdict says whether the
+    interval meets the threshold (pass), lies wholly past it (fail: the failure is shown), or straddles it
+    (not shown: too few items to tell, which does not pass). `note` says what would decide it."""
+
+    expression: str
+    confidence: float
+    point: float | None = None
+    low: float | None = None
+    high: float | None = None
+    verdict: Verdict = "not shown"
+    note: str | None = None
+
+    def describe(self) -> str:
+        if self.point is None:
+            what = "not measured"
+        elif self.low is None or self.high is None:
+            what = f"point {self.point:.4g}, no interval"
+        else:
+            what = (f"point {self.point:.4g}, {100 * self.confidence:g}% interval [{self.low:.4g}, {self.high:.4g}]")
+        label = {"pass": "PASS", "fail": "FAIL", "not shown": "NOT SHOWN"}[self.verdict]
+        return f"{label} {self.expression} ({what})" + (f"; {self.note}" if self.note else "")
+
+
+def check_interval_gate(cg: ConfidenceGate, point: float | None, low: float | None,
+                        high: float | None) -> IntervalGateResult:
+    """Check a confidence gate on its interval [low, high] around `point` (None: not measured)."""
+    assert cg.confidence is not None
+    g = cg.gate
+    bound = low if cg.bound == "low" else high
+    far = high if cg.bound == "low" else low
+    passed = g.check(bound)
+    shown = point is None or (far is not None and not g.check(far))  # unmeasured, or wholly past the threshold
+    verdict: Verdict = "pass" if passed else ("fail" if shown else "not shown")
+    return IntervalGateResult(gate=g, value=bound, passed=passed, expression=cg.expression,
+                              confidence=cg.confidence, point=point, low=low, high=high, verdict=verdict)

@@ -10,47 +10,16 @@ and are refused with `@`.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable, Sequence
-
-from pydantic import BaseModel
+from collections.abc import Callable, Sequence
 
 from llmopt.bench.ab_stats import RatioEstimate
-from llmopt.errors import LlmoptError
-from llmopt.gates import Gate, GateResult, parse_gate
+from llmopt.gates import ConfidenceGate, GateResult
+from llmopt.gates import parse_confidence_gate as parse_bench_gate
+from llmopt.gates import parse_confidence_gates as parse_bench_gates
 
-_CONF_RE = re.compile(r"^(.*?)@\s*([0-9]*\.?[0-9]+)\s*%?\s*$")
-
-
-class BenchGate(BaseModel):
-    """A gate, and the confidence (0..1) its interval form asks for; None: the point estimate."""
-
-    gate: Gate
-    confidence: float | None = None
-
-    @property
-    def expression(self) -> str:
-        conf = "" if self.confidence is None else f"@{100 * self.confidence:g}"
-        return self.gate.expression + conf
-
-
-def parse_bench_gate(text: str) -> BenchGate:
-    """`METRIC OP NUMBER` or `METRIC OP NUMBER@CONFIDENCE` (percent, 50 < CONFIDENCE < 100)."""
-    m = _CONF_RE.match(text or "")
-    if m is None:
-        return BenchGate(gate=parse_gate(text))
-    gate = parse_gate(m.group(1))
-    conf = float(m.group(2))
-    if not 50 < conf < 100:
-        raise LlmoptError(f"gate {text!r}: the confidence after @ is a percentage between 50 and 100, e.g. @95")
-    if gate.op in ("==", "!="):
-        raise LlmoptError(f"gate {text!r}: a confidence (@) needs >=, >, <= or <")
-    return BenchGate(gate=gate, confidence=conf / 100)
-
-
-def parse_bench_gates(texts: Iterable[str]) -> list[BenchGate]:
-    """Several gates; each item may hold several separated by `;`."""
-    return [parse_bench_gate(part) for text in texts for part in text.split(";") if part.strip()]
+# the parser and the gate type are shared with `eval` (llmopt.gates); bench keeps its names
+BenchGate = ConfidenceGate
+__all__ = ["BenchGate", "IntervalGateResult", "check_bench_gates", "parse_bench_gate", "parse_bench_gates"]
 
 
 class IntervalGateResult(GateResult):

@@ -23,14 +23,14 @@ and hit B's runs more than A's, which no interval over those rounds can know.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel, Field
 
-DEFAULT_CONFIDENCE = 0.95
-N_RESAMPLES = 9999
+from llmopt.stats import DEFAULT_CONFIDENCE, N_RESAMPLES, bootstrap_interval, expanded_level
+
+__all__ = ["DEFAULT_CONFIDENCE", "N_RESAMPLES", "RatioEstimate", "expanded_level", "ratio_interval"]
 
 
 class RatioEstimate(BaseModel):
@@ -86,33 +86,12 @@ def ratio_interval(a: Sequence[float | None], b: Sequence[float | None], *, pair
         return est
     if np.ptp(xa) == 0 and np.ptp(xb) == 0:  # no spread: every resample gives the point itself
         return est.model_copy(update={"low": point, "high": point})
-    level = expanded_level(confidence, n) if expand else confidence
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # degenerate-data warnings: handled below by a percentile fallback
-        low, high = _bootstrap(xa, xb, paired, level, seed, n_resamples, "BCa")
-        if not (math.isfinite(low) and math.isfinite(high)):
-            low, high = _bootstrap(xa, xb, paired, level, seed, n_resamples, "percentile")
-    if not (math.isfinite(low) and math.isfinite(high)):
+    found = bootstrap_interval((xa, xb), _ratio_of_means, paired=paired, confidence=confidence, seed=seed,
+                               n_resamples=n_resamples, expand=expand)
+    if found is None:
         return est
+    low, high, level = found
     return est.model_copy(update={"low": low, "high": high, "level_used": level})
-
-
-def expanded_level(confidence: float, n: int) -> float:
-    """Hesterberg's expanded bootstrap level for n values: 1 - 2 Phi(-sqrt(n/(n-1)) t_{n-1}(1 - alpha/2))."""
-    from scipy.stats import norm, t
-
-    alpha = 1.0 - confidence
-    level = 1.0 - 2.0 * norm.cdf(-math.sqrt(n / (n - 1)) * t.ppf(1.0 - alpha / 2.0, n - 1))
-    return float(min(level, 1.0 - 1e-6))  # two rounds: ~1, which scipy refuses; the min/max of the resamples
-
-
-def _bootstrap(xa: np.ndarray, xb: np.ndarray, paired: bool, confidence: float, seed: int,
-               n_resamples: int, method: str) -> tuple[float, float]:
-    from scipy.stats import bootstrap
-
-    res = bootstrap((xa, xb), _ratio_of_means, paired=paired, vectorized=True, confidence_level=confidence,
-                    n_resamples=n_resamples, method=method, rng=np.random.default_rng(seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def _ok(v: float | None) -> bool:
