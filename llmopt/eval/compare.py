@@ -27,11 +27,27 @@ from llmopt.eval.divergence import BaselineTopK
 from llmopt.eval.engines import build_llm, float32_notice, free_memory, weight_bytes
 from llmopt.eval.metrics import mean_stderr
 from llmopt.eval.options import EvalOptions
+from llmopt.eval.paired import (
+    WINDOW_METRICS,
+    PairedEstimate,
+    task_drop,
+    undecided_note,
+    window_estimate,
+    worst_drop,
+)
 from llmopt.eval.perplexity import TextScore, compare_scores, default_batch_tokens, score_text
 from llmopt.eval.runner import TaskResult, evaluate_task
 from llmopt.eval.tasks import Task, load_task
 from llmopt.eval.textdata import load_text
-from llmopt.gates import Gate, GateResult, check_gates, parse_gates
+from llmopt.gates import (
+    ConfidenceGate,
+    GateResult,
+    IntervalGateResult,
+    check_gates,
+    check_interval_gate,
+    parse_confidence_gates,
+)
+from llmopt.stats import DEFAULT_CONFIDENCE
 
 PPL_METRICS = ("ppl", "nll")
 COMPARE_PPL_METRICS = ("ppl_increase_pct", "kl_div", "top1_agreement")
@@ -48,10 +64,15 @@ class MetricRow:
     stderr: float | None = None
     passed: bool | None = None  # None: no gate on this metric
     gates: list[str] = field(default_factory=list)
+    interval: PairedEstimate | None = None  # paired 95% interval (comparison metrics; paired.py)
+    verdict: str | None = None  # PASS, NOT SHOWN (a confidence gate its interval cannot decide) or FAIL
 
     def to_json(self) -> dict[str, Any]:
-        return {"baseline": _num(self.baseline), "candidate": _num(self.candidate), "delta": _num(self.delta),
-                "stderr": _num(self.stderr), "pass": self.passed, "gates": self.gates}
+        out = {"baseline": _num(self.baseline), "candidate": _num(self.candidate), "delta": _num(self.delta),
+               "stderr": _num(self.stderr), "pass": self.passed, "gates": self.gates}
+        if self.interval is not None:
+            out["interval"] = self.interval.to_json()
+        return out
 
 
 def _num(x: float | None) -> float | None:
@@ -89,12 +110,20 @@ class EvalReport:
             "perplexity": ppl,
             "tasks": {t: {role: r.to_json() for role, r in rs.items()} for t, rs in self.tasks.items()},
             "metrics": {k: r.to_json() for k, r in self.rows.items()},
-            "gates": [{"gate": g.gate.expression, "metric": g.gate.metric, "value": _num(g.value),
-                       "pass": g.passed} for g in self.gates],
+            "gates": [_gate_json(g) for g in self.gates],
             "bisect": self.bisect.to_json() if self.bisect else None,
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
         }
+
+
+def _gate_json(g: GateResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"gate": g.gate.expression, "metric": g.gate.metric, "value": _num(g.value),
+                           "pass": g.passed}
+    if isinstance(g, IntervalGateResult):  # `value` is the bound the gate read
+        out.update({"gate": g.expression, "confidence": g.confidence, "point": _num(g.point), "low": _num(g.low),
+                    "high": _num(g.high), "verdict": g.verdict, "note": g.note})
+    return out
 
 
 def metric_names(opts: EvalOptions, tasks: list[Task]) -> list[str]:
@@ -127,11 +156,23 @@ def _aliases(tasks: list[Task]) -> dict[str, str]:
     return {m: names[0] for m, names in found.items() if len(names) == 1}
 
 
-def _validate_gates(gates: list[Gate], names: list[str]) -> None:
-    for g in gates:
+def interval_metric_names(opts: EvalOptions, tasks: list[Task]) -> list[str]:
+    """The metrics that get a paired interval, i.e. those a confidence gate (`@95`) may use: comparisons."""
+    if opts.baseline is None:
+        return []
+    names = [n for n in metric_names(opts, tasks) if n.endswith("_drop")]
+    return (list(WINDOW_METRICS) if opts.ppl_data is not None else []) + names
+
+
+def _validate_gates(gates: list[ConfidenceGate], names: list[str], interval_names: list[str]) -> None:
+    for cg in gates:
+        g = cg.gate
         if g.metric not in names:
-            raise LlmoptError(f"gate {g.expression!r}: this run does not measure {g.metric!r} "
+            raise LlmoptError(f"gate {cg.expression!r}: this run does not measure {g.metric!r} "
                               f"(available: {', '.join(names) or 'none'})")
+        if cg.confidence is not None and g.metric not in interval_names:
+            raise LlmoptError(f"gate {cg.expression!r}: {g.metric!r} has no interval; a confidence (@) applies to "
+                              f"comparisons with --baseline ({', '.join(interval_names) or 'none in this run'})")
 
 
 def _check_lmeval_models(models: list[str | None]) -> None:
@@ -166,7 +207,10 @@ def _build_rows(opts: EvalOptions, text: TextScore | None, tasks: dict[str, dict
             rows["ppl_increase_pct"] = MetricRow("ppl_increase_pct", 100.0 * (c.ppl / b.ppl - 1.0))
             rows["kl_div"] = MetricRow("kl_div", text.divergence.kl_div)
             rows["top1_agreement"] = MetricRow("top1_agreement", text.divergence.top1_agreement)
+            for name in WINDOW_METRICS:
+                rows[name].interval = window_estimate(text, name)
     drops: dict[str, list[float]] = {}
+    drop_intervals: dict[str, list[PairedEstimate | None]] = {}
     counts: dict[str, int] = {}
     for t in task_list:
         res = tasks[t.name]
@@ -179,14 +223,64 @@ def _build_rows(opts: EvalOptions, text: TextScore | None, tasks: dict[str, dict
                 bv = res["baseline"].metrics[m.metric]
                 rows[name] = MetricRow(name, cv.value, bv.value, cv.value - bv.value, cv.stderr)
                 drop = 100.0 * (bv.value - cv.value)
+                est = task_drop(res["baseline"], cand, m.metric)
                 rows[f"{name}_drop"] = MetricRow(f"{name}_drop", drop, stderr=_paired_stderr(
-                    res["baseline"], cand, m.metric))
+                    res["baseline"], cand, m.metric), interval=est)
                 drops.setdefault(m.metric, []).append(drop)
+                drop_intervals.setdefault(m.metric, []).append(est)
             else:
                 rows[name] = MetricRow(name, cv.value, stderr=cv.stderr)
     for metric, values in drops.items():
-        rows[f"{metric}_drop"] = MetricRow(f"{metric}_drop", max(values))  # the worst task decides
+        ests = drop_intervals[metric]
+        rows[f"{metric}_drop"] = MetricRow(f"{metric}_drop", max(values),  # the worst task decides
+                                           interval=None if None in ests else worst_drop(ests))  # type: ignore[arg-type]
     return rows
+
+
+def _estimate(metric: str, confidence: float, rows: dict[str, MetricRow], text: TextScore | None,
+              tasks: dict[str, dict[str, TaskResult]], task_list: list[Task]) -> PairedEstimate | None:
+    """The paired interval of `metric` at `confidence` (the rows hold the 95% ones)."""
+    row = rows.get(metric)
+    if row is None:
+        return None
+    if confidence == DEFAULT_CONFIDENCE or row.interval is None:
+        return row.interval
+    if metric in WINDOW_METRICS:
+        return window_estimate(text, metric, confidence) if text is not None else None
+    per_task = []
+    for t in task_list:
+        for m in t.metrics:
+            if metric in (f"{t.name}.{m.metric}_drop", f"{m.metric}_drop"):
+                per_task.append(task_drop(tasks[t.name]["baseline"], tasks[t.name]["candidate"], m.metric,
+                                          confidence))
+    return None if None in per_task else worst_drop(per_task)  # type: ignore[arg-type]
+
+
+def _check_gates(gates: list[ConfidenceGate], rows: dict[str, MetricRow], aliases: dict[str, str],
+                 text: TextScore | None, tasks: dict[str, dict[str, TaskResult]],
+                 task_list: list[Task]) -> list[GateResult]:
+    """Plain gates read the point estimate; confidence gates the bound of their interval (llmopt.gates)."""
+    out: list[GateResult] = []
+    for cg in gates:
+        name = aliases.get(cg.gate.metric, cg.gate.metric)
+        row = rows.get(name)
+        if cg.confidence is None:
+            out += check_gates([cg.gate], lambda _m, row=row: row.candidate if row is not None else None)
+        else:
+            est = _estimate(name, cg.confidence, rows, text, tasks, task_list)
+            res = check_interval_gate(cg, row.candidate if row is not None else None,
+                                      est.low if est else None, est.high if est else None)
+            if res.verdict == "not shown" and est is not None:
+                res.note = undecided_note(est, cg)
+            out.append(res)
+        if row is not None:
+            row.gates.append(cg.expression)
+            row.passed = out[-1].passed if row.passed is None else (row.passed and out[-1].passed)
+            label = "PASS" if out[-1].passed else ("NOT SHOWN" if getattr(out[-1], "verdict", "") == "not shown"
+                                                   else "FAIL")
+            order = ("PASS", "NOT SHOWN", "FAIL")
+            row.verdict = label if row.verdict is None else max(row.verdict, label, key=order.index)
+    return out
 
 
 def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None,
@@ -201,8 +295,8 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise LlmoptError(f"task {dup!r} is given twice")
-    gates = parse_gates(opts.gates)
-    _validate_gates(gates, metric_names(opts, task_list))
+    gates = parse_confidence_gates(opts.gates)
+    _validate_gates(gates, metric_names(opts, task_list), interval_metric_names(opts, task_list))
     if opts.harness == "lm-eval" and task_list:
         _check_lmeval_models([opts.model] + ([opts.baseline] if opts.baseline else []))
     # 2. each model in turn: the baseline first (its top-k log-probs are kept for KL), then the candidate
@@ -266,15 +360,9 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
     if opts.bisect and opts.baseline is not None and text is not None and cand is not None:
         base = build_llm(opts.baseline, opts.engine_options(batch, baseline=True))  # bisect swaps layers: both
         bisect = run_bisect(base, cand, opts.model, opts.baseline, opts.engine_options(batch),
-                            opts.engine_options(batch, baseline=True), ids, opts.seq_len, gates,
+                            opts.engine_options(batch, baseline=True), ids, opts.seq_len,
+                            [cg.gate for cg in gates],
                             opts.bisect_plot, progress)
     rows = _build_rows(opts, score, results, task_list)
-    aliases = _aliases(task_list)
-    gate_results = check_gates(gates, lambda m: rows[aliases.get(m, m)].candidate if aliases.get(m, m) in rows
-                               else None)
-    for g in gate_results:
-        row = rows.get(aliases.get(g.gate.metric, g.gate.metric))
-        if row is not None:
-            row.gates.append(g.gate.expression)
-            row.passed = g.passed if row.passed is None else (row.passed and g.passed)
+    gate_results = _check_gates(gates, rows, _aliases(task_list), score, results, task_list)
     return EvalReport(opts, models, score, results, rows, gate_results, time.perf_counter() - t0, bisect)

@@ -20,7 +20,7 @@ over a 128k vocabulary never needs more than ~100-250 MB of temporaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,14 +30,26 @@ DEFAULT_TOP_K = 256
 
 @dataclass
 class DivergenceStats:
+    """Sums over the scored tokens, and the same sums per window (`close_window` after each), from which
+    the comparison takes bootstrap intervals over windows (three numbers a window: nothing per token)."""
+
     kl_sum: float = 0.0
     top1_matches: int = 0
     tokens: int = 0
+    window_kl: list[float] = field(default_factory=list)
+    window_matches: list[int] = field(default_factory=list)
+    window_tokens: list[int] = field(default_factory=list)
 
     def add(self, kl_sum: float, matches: int, tokens: int) -> None:
         self.kl_sum += kl_sum
         self.top1_matches += matches
         self.tokens += tokens
+
+    def close_window(self) -> None:
+        """Record what was added since the previous window closed as one window."""
+        self.window_kl.append(self.kl_sum - sum(self.window_kl))
+        self.window_matches.append(self.top1_matches - sum(self.window_matches))
+        self.window_tokens.append(self.tokens - sum(self.window_tokens))
 
     @property
     def kl_div(self) -> float:

@@ -104,6 +104,7 @@ class TextScore:
     divergence: DivergenceStats | None = None
     seconds: float = 0.0
     per_window_nll: list[list[float]] = field(default_factory=list)  # [engine][window] mean NLL
+    window_tokens: list[int] = field(default_factory=list)  # scored tokens per window (same for every engine)
 
     def to_json(self, index: int = 0) -> dict:
         s = self.nll[index]
@@ -151,6 +152,8 @@ def score_text(engine: LLMEngine, token_ids: list[int], seq_len: int, stride: in
             if div is not None:
                 div.add(*compare_to.compare((j, lo), logits))
             del logits
+        if div is not None:
+            div.close_window()
         window_nll = torch.cat(nll)
         stats.add(window_nll)
         per_window[j] = float(window_nll.double().mean())
@@ -161,10 +164,12 @@ def score_text(engine: LLMEngine, token_ids: list[int], seq_len: int, stride: in
                 "text_tokens": len(token_ids), "batch_tokens": batch,
                 "protocol": ("non-overlapping windows" if (stride or seq_len) == seq_len else
                              "sliding window, last `stride` tokens scored") + " (HF perplexity guide)"}
-    return TextScore(protocol, [stats], div, time.perf_counter() - t0, [per_window])
+    return TextScore(protocol, [stats], div, time.perf_counter() - t0, [per_window],
+                     [w.num_scored for w in windows])
 
 
 def compare_scores(baseline: TextScore, candidate: TextScore) -> TextScore:
     """One TextScore of both passes: NLL [baseline, candidate], the candidate's divergence."""
     return TextScore(candidate.protocol, baseline.nll + candidate.nll, candidate.divergence,
-                     baseline.seconds + candidate.seconds, baseline.per_window_nll + candidate.per_window_nll)
+                     baseline.seconds + candidate.seconds, baseline.per_window_nll + candidate.per_window_nll,
+                     candidate.window_tokens)

@@ -50,7 +50,26 @@ def _fmt_stderr(row: MetricRow) -> str:
 
 
 def _status(row: MetricRow) -> str:
-    return "" if row.passed is None else ("PASS" if row.passed else "FAIL")
+    return row.verdict or ("" if row.passed is None else ("PASS" if row.passed else "FAIL"))
+
+
+def _fmt_interval(row: MetricRow) -> str:
+    """The paired 95% interval in the row's own unit (percent for fractions)."""
+    e = row.interval
+    if e is None or e.low is None or e.high is None:
+        return "-"
+    scale = 100.0 if row.name.rsplit(".", 1)[-1] in _FRACTION else 1.0
+    unit = "%" if scale == 100.0 else ""
+    return f"[{scale * e.low:.3g}{unit}, {scale * e.high:.3g}{unit}]"
+
+
+def _fmt_p(row: MetricRow) -> str:
+    e = row.interval
+    return "-" if e is None or e.p_value is None else f"{e.p_value:.3g}"
+
+
+def _styled(status: str) -> str:
+    return {"PASS": "[green]PASS[/]", "NOT SHOWN": "[yellow]NOT SHOWN[/]", "FAIL": "[bold red]FAIL[/]"}.get(status, "")
 
 
 def _headline(report: EvalReport) -> str:
@@ -81,13 +100,15 @@ def render_table(report: EvalReport, console: Console) -> None:
     if compare:
         table.add_column("delta", justify="right")
     table.add_column("stderr", justify="right")
+    if compare:
+        table.add_column("95% interval", justify="right")
+        table.add_column("p (McNemar)", justify="right")
     table.add_column("gate", overflow="fold")
     for row in report.rows.values():
-        status = _status(row)
-        styled = f"[green]{status}[/]" if status == "PASS" else (f"[bold red]{status}[/]" if status else "")
-        gate = f"{styled} {', '.join(row.gates)}".strip()
+        gate = f"{_styled(_status(row))} {', '.join(row.gates)}".strip()
         cells = [row.name] + ([_fmt(row.baseline, row.name)] if compare else []) + [_fmt(row.candidate, row.name)]
-        cells += ([_fmt_delta(row)] if compare else []) + [_fmt_stderr(row), gate]
+        cells += ([_fmt_delta(row)] if compare else []) + [_fmt_stderr(row)]
+        cells += ([_fmt_interval(row), _fmt_p(row)] if compare else []) + [gate]
         table.add_row(*cells)
     console.print(table)
     proto = _protocol(report)
@@ -100,7 +121,9 @@ def render_table(report: EvalReport, console: Console) -> None:
         console.print(line, highlight=False, soft_wrap=True)
     if report.gates:
         verdict = "[green]all gates passed[/]" if report.passed else "[bold red]gate(s) failed[/]"
-        console.print(verdict + ": " + "; ".join(g.describe() for g in report.gates))
+        console.print(verdict + ":", highlight=False)
+        for g in report.gates:
+            console.print("  " + g.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
 def _bisect_lines(report: EvalReport, top: int = 8) -> list[str]:
@@ -133,13 +156,13 @@ def render_markdown(report: EvalReport) -> str:
     compare = "baseline" in report.models
     lines = ["# llmopt eval report", "", _headline(report), ""]
     head = ["metric"] + (["baseline"] if compare else []) + ["candidate"] + (["delta"] if compare else [])
-    head += ["stderr", "gate"]
+    head += ["stderr"] + (["95% interval", "p (McNemar)"] if compare else []) + ["gate"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report.rows.values():
         cells = [f"`{row.name}`"] + ([_fmt(row.baseline, row.name)] if compare else [])
         cells += [_fmt(row.candidate, row.name)] + ([_fmt_delta(row)] if compare else [])
         gate = f"{'**' + _status(row) + '**' if _status(row) else ''} {', '.join(f'`{g}`' for g in row.gates)}"
-        cells += [_fmt_stderr(row), gate.strip()]
+        cells += [_fmt_stderr(row)] + ([_fmt_interval(row), _fmt_p(row)] if compare else []) + [gate.strip()]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     proto = _protocol(report)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from llmopt.gates import GateResult
+from llmopt.gates import GateResult, IntervalGateResult
 from llmopt.io import write_json_atomic
 
 STATE_FILE = "state.json"
@@ -25,14 +25,23 @@ class GateRecord(BaseModel):
     metric: str
     value: float | None
     passed: bool
+    detail: str | None = None  # a confidence gate's own account: point, interval, verdict, what would decide it
 
     @classmethod
     def of(cls, r: GateResult) -> GateRecord:
+        if isinstance(r, IntervalGateResult):
+            return cls(gate=r.expression, metric=r.gate.metric, value=r.value, passed=r.passed, detail=r.describe())
         return cls(gate=r.gate.expression, metric=r.gate.metric, value=r.value, passed=r.passed)
 
     def describe(self) -> str:
+        if self.detail:
+            return self.detail
         measured = "not measured" if self.value is None else f"measured {self.value:.4g}"
         return f"{'PASS' if self.passed else 'FAIL'} {self.gate} ({measured})"
+
+    def failure(self) -> str:
+        """`gate (measured 3.1)`, or a confidence gate's own account (`NOT SHOWN acc_drop<=2@95 (...)`)."""
+        return self.detail or f"{self.gate} ({'not measured' if self.value is None else f'measured {self.value:.4g}'})"
 
 
 class StageRecord(BaseModel):

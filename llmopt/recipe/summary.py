@@ -55,8 +55,7 @@ class RunReport:
 
     @property
     def failed_gates(self) -> list[str]:
-        return [f"{s.name}: {g.gate} ({'not measured' if g.value is None else f'measured {g.value:.4g}'})"
-                for s in self.stages for g in s.gates if not g.passed]
+        return [f"{s.name}: {g.failure()}" for s in self.stages for g in s.gates if not g.passed]
 
     @property
     def failed_stage(self) -> StageReport | None:

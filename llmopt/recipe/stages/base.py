@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
 from llmopt.errors import LlmoptError
-from llmopt.gates import Gate, GateResult, parse_gate
+from llmopt.gates import Gate, GateResult, parse_confidence_gate, parse_gate
 from llmopt.recipe.issues import Issue, KeyPath
 from llmopt.recipe.resolved import ResolvedRecipe
 from llmopt.recipe.suggest import closest
@@ -126,12 +126,21 @@ def build(rr: ResolvedRecipe, section: KeyPath, fields: set[str], make: Callable
 
 
 def gate_issues(rr: ResolvedRecipe, path: KeyPath, texts: list[str], known: list[str] | None,
-                where: str) -> tuple[list[Gate], list[Issue]]:
-    """Parse gate expressions; with `known`, refuse metrics the stage does not measure."""
+                where: str, intervals: list[str] | None = None) -> tuple[list[Gate], list[Issue]]:
+    """Parse gate expressions; with `known`, refuse metrics the stage does not measure. With `intervals`
+    (the metrics the stage measures an interval for), the confidence form `METRIC OP NUMBER@95` is accepted
+    on those metrics (llmopt.gates)."""
     gates, issues = [], []
     for i, text in enumerate(texts):
         try:
-            g = parse_gate(text)
+            if intervals is None:
+                g = parse_gate(text)
+            else:
+                cg = parse_confidence_gate(text)
+                g = cg.gate
+                if cg.confidence is not None and g.metric in (known or [g.metric]) and g.metric not in intervals:
+                    raise LlmoptError(f"{g.metric!r} has no interval in {where}; a confidence (@) applies to "
+                                      f"{', '.join(intervals) or 'comparisons with a baseline'}")
         except LlmoptError as e:
             issues.append(rr.issue((*path, i), str(e)))
             continue

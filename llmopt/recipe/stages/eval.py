@@ -63,7 +63,7 @@ class EvalStage(Stage):
     device_key = ("eval", "device")
 
     def check(self, rr: ResolvedRecipe) -> list[Issue]:
-        from llmopt.eval.compare import metric_names
+        from llmopt.eval.compare import interval_metric_names, metric_names
         from llmopt.eval.tasks import load_task
 
         s = rr.recipe.eval
@@ -91,7 +91,8 @@ class EvalStage(Stage):
         if opts is not None:
             where = "this eval" if opts.baseline else "this eval (no eval.baseline: comparisons such as " \
                 "ppl_increase_pct, kl_div, top1_agreement and *_drop need one)"
-            issues += gate_issues(rr, ("eval", "gates"), s.gates, metric_names(opts, tasks), where)[1]
+            issues += gate_issues(rr, ("eval", "gates"), s.gates, metric_names(opts, tasks), where,
+                                  intervals=interval_metric_names(opts, tasks))[1]
         return issues
 
     def inputs(self, rr: ResolvedRecipe) -> dict[str, Any]:
