@@ -111,3 +111,62 @@ def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypa
     assert code == 2, (out, err)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), err
+
+
+def test_confidence_gates_end_to_end(tiny_llama, other_llama, data, tmp_path, monkeypatch, capsys):
+    """`@95` gates read the paired interval: the model against itself passes a margin its 6 items can
+    support, a margin they cannot is NOT SHOWN (exit 1, with how many items would decide it), and another
+    model fails the KL gate outright; the JSON and the Markdown report carry point, interval and verdict."""
+    task = write_task(tmp_path / "t")
+    base = ["--baseline", str(tiny_llama), "--ppl-data", str(data), "--seq-len", "64", "--task", str(task)]
+    code, out, err = run_eval_cli(monkeypatch, capsys, str(tiny_llama), *base, "--json",
+                                  "--gate", "acc_drop<=30@95", "--gate", "kl_div<=1e-6@95",
+                                  "--gate", "ppl_increase_pct<=0.001@90", "--gate", "top1_agreement>=1@95")
+    assert code == 0, err
+    rep = json.loads(out)
+    g = {x["gate"]: x for x in rep["gates"]}
+    drop = g["acc_drop<=30@95"]
+    assert drop["verdict"] == "pass" and drop["point"] == 0 and drop["low"] < 0 < drop["high"] <= 30
+    assert g["ppl_increase_pct<=0.001@90"]["confidence"] == pytest.approx(0.9)
+    interval = rep["metrics"]["tiny_mc.acc_drop"]["interval"]
+    assert interval["n"] == 6 and interval["p_value"] == 1.0 and interval["baseline_only"] == 0
+    assert rep["metrics"]["kl_div"]["interval"]["unit"] == "windows"
+
+    report = tmp_path / "r.md"
+    code, out, err = run_eval_cli(monkeypatch, capsys, str(tiny_llama), *base, "--gate", "acc_drop<=5@95",
+                                  "--report", str(report))
+    assert code == 1
+    assert "NOT SHOWN acc_drop<=5@95 (point 0, 95% interval [" in err
+    assert "with 6 items this gate can rule out drops above" in err and "items would decide it" in err
+    assert "NOT SHOWN" in out and "95% interval" in out and "p (McNemar)" in out
+    md = report.read_text()
+    assert "**NOT SHOWN** `acc_drop<=5@95`" in md and "items would decide it" in md
+
+    code, out, err = run_eval_cli(monkeypatch, capsys, str(other_llama), *base, "--json", "--gate", "kl_div<=0.01@95")
+    assert code == 1
+    kl = json.loads(out)["gates"][0]
+    assert kl["verdict"] == "fail" and kl["low"] > 0.01 and kl["value"] == kl["high"]
+    assert "1 gate(s) failed: kl_div<=0.01@95 (point " in err
+
+
+@pytest.mark.parametrize("gate, message", [
+    ("acc_drop<=1@100", "between 50 and 100"),
+    ("acc_drop==0@95", "needs >=, >, <= or <"),
+    ("ppl<=100@95", "'ppl' has no interval"),
+    ("tiny_mc.acc>=0.5@95", "'tiny_mc.acc' has no interval"),
+    ("acc_drop<=1@", "cannot parse gate"),
+    ("acc_drops<=1@95", "does not measure 'acc_drops'"),
+])
+def test_bad_confidence_gate_is_one_line_exit_2(gate, message, tiny_llama, data, tmp_path, monkeypatch, capsys):
+    task = write_task(tmp_path / "t")
+    code, out, err = run_eval_cli(monkeypatch, capsys, str(tiny_llama), "--baseline", str(tiny_llama),
+                                  "--ppl-data", str(data), "--task", str(task), "--gate", gate)
+    assert code == 2, (out, err)
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_confidence_gate_without_baseline_is_exit_2(tiny_llama, data, tmp_path, monkeypatch, capsys):
+    code, out, err = run_eval_cli(monkeypatch, capsys, str(tiny_llama), "--ppl-data", str(data),
+                                  "--gate", "kl_div<=0.1@95")
+    assert code == 2 and "does not measure 'kl_div'" in err and len(err.strip().splitlines()) == 1
