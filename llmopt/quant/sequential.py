@@ -199,7 +199,8 @@ class SequentialQuantizer:
             if batches is not None and self._needs_capture(layer_targets):
                 captures = self._capture(layer, layer_targets, batches, f"layers.{i}")
             self._transform(layer, layer_targets, captures)
-            done = {t.module: self._quantize(layer.get_submodule(rel), t, captures.get(rel))
+            # each capture (a Hessian: 0.8 GB for an 8B down_proj) is dropped once its module is quantized
+            done = {t.module: self._quantize(layer.get_submodule(rel), t, captures.pop(rel, None))
                     for rel, t in layer_targets.items()}
             del captures
             if batches is not None:
@@ -322,10 +323,10 @@ class SequentialQuantizer:
             qw = fp8_quantize(w, ws)
         elif self.opt.method == "gptq" and cap is not None and cap.hessian is not None:
             method = "gptq"
-            qw, loss = gptq_quantize(w, cap.hessian.H, ws, damp=self.opt.damp, block_size=self.opt.block_size,
+            qw, loss = gptq_quantize(w, cap.hessian.take(), ws, damp=self.opt.damp, block_size=self.opt.block_size,
                                      act_order=self.opt.act_order,
                                      static_groups=self.opt.act_order and self.opt.static_groups,
-                                     mse_observer=self.opt.mse)
+                                     mse_observer=self.opt.mse, own_h=True)
         elif self.opt.method == "awq" and cap is not None and not scheme.int8_activations:
             method = "awq"
             max_val = awq_search_clip(cap.sample().to(w.device), w, ws)
