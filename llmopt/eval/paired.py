@@ -141,11 +141,13 @@ def undecided_note(est: PairedEstimate, cg: ConfidenceGate) -> str | None:
     told = f"with {est.n} {est.unit} this gate can rule out {what.format(bound)}"
     if not g.check(est.point):
         return f"{told}; the point estimate {est.point:.4g} is past {g.threshold:g}, so more would not make it pass"
-    if est.counts is not None:
+    if est.counts is not None and cg.bound == "high":
         need = items_to_bound(est.counts, g.threshold / 100.0, est.confidence)
-    else:  # a bootstrap interval narrows as 1/sqrt(windows)
+    elif g.threshold != est.point:  # an interval narrows as 1/sqrt(items or windows)
         half = (bound - est.point) / (g.threshold - est.point)
-        need = math.ceil(est.n * half * half) if math.isfinite(half) else None
+        need = math.ceil(est.n * half * half)
+    else:
+        need = None  # the point sits on the threshold: no number of items decides it
     if need is None:
         return told
     extra = f" ({need * est.seq_len:,} tokens)" if est.seq_len and est.unit == "windows" else ""

@@ -105,3 +105,9 @@ def test_undecided_note_says_what_would_decide_it():
                         "ppl_increase_pct")
     wn = undecided_note(w, parse_confidence_gate(f"ppl_increase_pct<={w.point + (w.high - w.point) / 2:.4f}@95"))
     assert wn.startswith("with 8 windows this gate can rule out increases above") and "tokens) would decide" in wn
+
+
+def test_undecided_note_with_the_point_on_the_threshold():
+    est = task_drop(_result([1] * 100), _result([0] * 2 + [1] * 98), "acc")  # drop exactly 2 points
+    note = undecided_note(est, parse_confidence_gate("acc_drop<=2@95"))
+    assert note.startswith("with 100 items this gate can rule out drops above") and "would decide" not in note
