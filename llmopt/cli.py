@@ -470,8 +470,9 @@ def eval_(
     limit: Optional[int] = typer.Option(None, help="Only the first N documents of each task."),
     harness: str = typer.Option("llmopt", help="llmopt|lm-eval: who runs the tasks (lm-eval: transformers "
                                 "model through lm-eval's HFLM, a cross-check)."),
-    gate: list[str] = typer.Option([], "--gate", help="METRIC OP NUMBER, e.g. ppl_increase_pct<=5, acc_drop<=1.0, "
-                                   "top1_agreement>=0.9; repeatable."),
+    gate: list[str] = typer.Option([], "--gate", help="METRIC OP NUMBER, e.g. ppl_increase_pct<=5, "
+                                   "top1_agreement>=0.9; on a comparison, METRIC OP NUMBER@95 reads the paired 95% "
+                                   "interval's bound instead (acc_drop<=3@95: non-inferiority); repeatable."),
     dtype: str = typer.Option("auto", help="auto (each checkpoint's own, as vLLM)|float32|bfloat16|float16 for "
                               "both models."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
