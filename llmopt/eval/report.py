@@ -100,17 +100,24 @@ def render_table(report: EvalReport, console: Console) -> None:
     if compare:
         table.add_column("delta", justify="right")
     table.add_column("stderr", justify="right")
-    if compare:
-        table.add_column("95% interval", justify="right")
-        table.add_column("p (McNemar)", justify="right")
     table.add_column("gate", overflow="fold")
     for row in report.rows.values():
         gate = f"{_styled(_status(row))} {', '.join(row.gates)}".strip()
         cells = [row.name] + ([_fmt(row.baseline, row.name)] if compare else []) + [_fmt(row.candidate, row.name)]
-        cells += ([_fmt_delta(row)] if compare else []) + [_fmt_stderr(row)]
-        cells += ([_fmt_interval(row), _fmt_p(row)] if compare else []) + [gate]
+        cells += ([_fmt_delta(row)] if compare else []) + [_fmt_stderr(row), gate]
         table.add_row(*cells)
     console.print(table)
+    paired = [r for r in report.rows.values() if r.interval is not None]
+    if paired:  # a second, narrow table: an 80-column CI log keeps every number
+        t = Table(title="paired differences (same items on both sides)", title_justify="left")
+        for name, justify in (("metric", "left"), ("point", "right"), ("95% interval", "right"),
+                              ("over", "right"), ("p (McNemar)", "right")):
+            t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        for r in paired:
+            e = r.interval
+            assert e is not None
+            t.add_row(r.name, _fmt(e.point, r.name), _fmt_interval(r), f"{e.n} {e.unit}", _fmt_p(r))
+        console.print(t)
     proto = _protocol(report)
     if proto:
         console.print(f"[dim]{proto}[/]")

@@ -138,7 +138,7 @@ def test_confidence_gates_end_to_end(tiny_llama, other_llama, data, tmp_path, mo
     assert code == 1
     assert "NOT SHOWN acc_drop<=5@95 (point 0, 95% interval [" in err
     assert "with 6 items this gate can rule out drops above" in err and "items would decide it" in err
-    assert "NOT SHOWN" in out and "95% interval" in out and "p (McNemar)" in out
+    assert "NOT SHOWN" in out and "paired differences" in out and "p (McNemar)" in out
     md = report.read_text()
     assert "**NOT SHOWN** `acc_drop<=5@95`" in md and "items would decide it" in md
 
