@@ -87,6 +87,8 @@ def format_value(name: str, value: Any) -> str:
         return format_bytes(value)
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return "[" + ", ".join(f"{v:.4g}" for v in value) + "]"  # an interval
     return str(value)
 
 

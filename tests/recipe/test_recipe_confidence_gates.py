@@ -58,6 +58,8 @@ def test_confidence_gates_through_llmopt_run(tiny_llama, tmp_path, monkeypatch, 
     assert set(gates) == {"acc_drop<=15@95", "kl_div<=0.001@95"} and all(g["passed"] for g in gates.values())
     assert gates["acc_drop<=15@95"]["detail"].startswith("PASS acc_drop<=15@95 (point 0, 95% interval [")
     assert json.loads((run_dir / "eval" / "eval.json").read_text())["metrics"]["kb_mc.acc_drop"]["interval"]["n"] == 20
+    low, high = stage["metrics"]["kb_mc.acc_drop.ci95"]
+    assert low < 0 < high <= 15
 
     code, out, err = run_cli(monkeypatch, capsys, "run", str(recipe), "--out", str(run_dir),
                              "--set", "eval.gates=[acc_drop<=5@95]")
@@ -66,5 +68,6 @@ def test_confidence_gates_through_llmopt_run(tiny_llama, tmp_path, monkeypatch, 
     assert "with 20 items this gate can rule out drops above" in err and "items would decide it" in err
     summary = (run_dir / "summary.md").read_text()
     assert "`acc_drop<=5@95`" in summary and "NOT SHOWN acc_drop<=5@95" in summary
+    assert f"- `kb_mc.acc_drop.ci95`: [{low:.4g}, {high:.4g}]" in summary
     resolved = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
     assert resolved["eval"]["gates"] == ["acc_drop<=5@95"]

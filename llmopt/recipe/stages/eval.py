@@ -122,7 +122,12 @@ class EvalStage(Stage):
         (out / REPORT_JSON).write_text(render_json(report) + "\n")
         (out / REPORT_MD).write_text(render_markdown(report))
         data = json.loads(render_json(report))
-        metrics: dict[str, Any] = {name: row["candidate"] for name, row in data["metrics"].items()}
+        metrics: dict[str, Any] = {}
+        for name, row in data["metrics"].items():
+            metrics[name] = row["candidate"]
+            ci = row.get("interval") or {}
+            if ci.get("low") is not None and ci.get("high") is not None:  # the point never without its interval
+                metrics[f"{name}.ci95"] = [ci["low"], ci["high"]]
         if opts.baseline:
             metrics.update({f"baseline.{name}": row["baseline"] for name, row in data["metrics"].items()
                             if row.get("baseline") is not None})
