@@ -220,6 +220,9 @@ def bench(
                                                 rich_help_panel="Output"),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write throughput-vs-latency plots (PNG).",
                                             rich_help_panel="Output"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="Write a self-contained HTML report: latency "
+                                            "CDFs, the throughput-latency curve and its knee, gates, A/B ratio "
+                                            "intervals (inline SVG).", rich_help_panel="Output"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Live progress bars.",
                                   rich_help_panel="Output"),
     compare: bool = typer.Option(False, "--compare", help="Compare JSON reports given as arguments (ratios vs "
@@ -247,7 +250,8 @@ def bench(
         request_rate=request_rate, burstiness=burstiness, warmup=warmup, slo=slo, knee_metric=knee_metric,
         knee_percentile=knee_percentile, scenario=scenario, static_batch_size=static_batch_size, gates=gate or [],
         rounds=rounds, ab=ab or [], ab_order=ab_order,
-        json_path=json_path, markdown_path=markdown_path, plot_path=plot_path, progress=progress,
+        json_path=json_path, markdown_path=markdown_path, plot_path=plot_path, html_path=html_path,
+        progress=progress,
     ).build()
     try:
         outcome = run_bench(cfg, console)
@@ -412,7 +416,9 @@ def quantize(
     group_size: Optional[int] = typer.Option(None, help="Columns per scale; -1 per channel. Default: w4a16 128 "
                                              "(64 or 32 when 128 does not divide the model), others per channel."),
     sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (no zero points) or asymmetric int weights."),
-    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: columns by decreasing activation energy."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order",
+                                             help="GPTQ: columns by decreasing activation energy (default: on "
+                                             "for --method gptq; --no-act-order is the old, worse order)."),
     static_groups: bool = typer.Option(True, "--static-groups/--no-static-groups",
                                        help="--act-order: fix group scales up front (identity g_idx); without "
                                        "them the checkpoint has a g_idx (needs --format gptq)."),
@@ -483,6 +489,8 @@ def eval_(
     kl_top_k: int = typer.Option(256, help="Baseline log-probs kept per token for KL and top-1 (8 bytes each; "
                                  "KL over the top-k plus one bucket for the rest, a lower bound)."),
     report: Optional[str] = typer.Option(None, "--report", help="Write a Markdown report here (atomically)."),
+    html: Optional[str] = typer.Option(None, "--html", help="Write a self-contained HTML report here (gates with "
+                                       "their intervals, metrics, bisect's per-layer sensitivity; inline SVG)."),
     bisect: bool = typer.Option(False, "--bisect", help="Attribute the candidate's drop to its optimizations and "
                                 "layers (needs --baseline and --ppl-data)."),
     bisect_plot: Optional[str] = typer.Option(None, "--bisect-plot", help="PNG of the per-layer sensitivity."),
@@ -496,7 +504,7 @@ def eval_(
                        max_tokens=max_tokens, tasks=task, limit=limit, harness=harness, gates=gate, dtype=dtype,
                        device=device, kv_cache_dtype=kv_cache_dtype, baseline_dtype=baseline_dtype,
                        baseline_kv_cache_dtype=baseline_kv_cache_dtype, max_batch_tokens=max_batch_tokens,
-                       kl_top_k=kl_top_k, report=report, bisect=bisect, bisect_plot=bisect_plot)
+                       kl_top_k=kl_top_k, report=report, html=html, bisect=bisect, bisect_plot=bisect_plot)
     eval_command(opts, as_json=as_json, console=console, err_console=err_console)
 
 

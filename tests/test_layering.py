@@ -24,6 +24,9 @@ FORBIDDEN = {
     "eval": {"serve", "bench", "recipe", "cli"},
     "calibrate": {"serve", "bench", "eval", "recipe", "cli"},
     "loading": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli"},
+    # the HTML page builder is a leaf below the commands that build their sections with it
+    "report": {"layers", "quant", "models", "planning", "engine", "serve", "bench", "eval", "calibrate", "loading",
+               "recipe", "cli"},
 }
 
 

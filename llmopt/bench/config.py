@@ -29,6 +29,7 @@ from llmopt.bench.workloads import JsonlWorkload, PrefixWorkload, RandomWorkload
 from llmopt.engine.config import EngineConfig
 from llmopt.errors import LlmoptError
 from llmopt.gates import Gate
+from llmopt.report.html import check_html_path
 
 DEFAULT_NUM_PROMPTS = 100
 
@@ -56,6 +57,7 @@ class BenchConfig(BaseModel):
     json_path: str | None = None
     markdown_path: str | None = None
     plot_path: str | None = None
+    html_path: str | None = Field(None, description="A self-contained HTML report (llmopt.bench.html_report).")
     progress: bool = True
     keep_samples: bool = Field(True, description="Keep per-request latencies in the JSON (plots, re-analysis).")
     temperature: float = Field(0.0, ge=0.0)
@@ -134,6 +136,7 @@ class BenchOptions(BaseModel):
     json_path: str | None = None
     markdown_path: str | None = None
     plot_path: str | None = None
+    html_path: str | None = None
     progress: bool = True
 
     def build(self) -> BenchConfig:
@@ -165,6 +168,7 @@ class BenchOptions(BaseModel):
             json_path=self.json_path,
             markdown_path=self.markdown_path,
             plot_path=self._plot_path(),
+            html_path=str(check_html_path(self.html_path)) if self.html_path is not None else None,
             progress=self.progress,
         )
 

@@ -98,19 +98,20 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
         outcome = _run_scenario(cfg, console)
     else:
         outcome = _run_offline(cfg, console)
-    _write_outputs(cfg, outcome)
+    if not outcome.interrupted:
+        if outcome.ab is not None and cfg.ab_gates:
+            from llmopt.bench.ab import check_ab_gates
+
+            outcome.gates = check_ab_gates(outcome.ab, cfg)
+        elif cfg.gates:
+            outcome.gates = (check_scenario_gates(outcome.scenario, cfg.gates) if outcome.scenario is not None
+                             else check_report_gates(outcome.report, cfg.gates))  # type: ignore[arg-type]
+    _write_outputs(cfg, outcome)  # the HTML page shows the gates, so they are checked first
     for path in outcome.written:
         console.print(f"[dim]wrote {path}[/]")
     if outcome.interrupted:
         console.print("[bold yellow]interrupted:[/] partial results above; gates were not checked")
         return outcome
-    if outcome.ab is not None and cfg.ab_gates:
-        from llmopt.bench.ab import check_ab_gates
-
-        outcome.gates = check_ab_gates(outcome.ab, cfg)
-    elif cfg.gates:
-        outcome.gates = (check_scenario_gates(outcome.scenario, cfg.gates) if outcome.scenario is not None
-                         else check_report_gates(outcome.report, cfg.gates))  # type: ignore[arg-type]
     for g in outcome.gates:
         color = "green" if g.passed else "red"
         console.print(f"[bold {color}]gate[/] {g.describe()}", highlight=False)
@@ -141,6 +142,11 @@ def _write_outputs(cfg: BenchConfig, outcome: BenchOutcome) -> None:
         return
     paths = (cfg.json_path, cfg.markdown_path, cfg.plot_path)
     outcome.written = [str(write(result, path)) for write, path in zip(writers, paths, strict=True) if path]
+    if cfg.html_path:
+        from llmopt.bench.html_report import bench_page
+        from llmopt.report.html import write_html
+
+        outcome.written.append(str(write_html(cfg.html_path, bench_page(result, outcome.gates))))
 
 
 def _report(cfg: BenchConfig, target: TargetInfo, runs: list[BenchRun]) -> BenchReport:

@@ -17,12 +17,15 @@ from llmopt.eval.compare import EvalReport, run_eval
 from llmopt.eval.options import EvalOptions
 from llmopt.eval.report import render_json, render_markdown, render_table, write_atomic
 from llmopt.gates import failure_message
+from llmopt.report.html import check_html_path, write_html
 
 
 def eval_command(opts: EvalOptions, as_json: bool = False, console: Console | None = None,
                  err_console: Console | None = None) -> EvalReport:
     console = console or Console()
     err_console = err_console or Console(stderr=True)
+    if opts.html is not None:
+        check_html_path(opts.html)  # a bad path is exit 2 before any model loads
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True,
                   disable=not err_console.is_terminal) as bar:
@@ -41,6 +44,10 @@ def eval_command(opts: EvalOptions, as_json: bool = False, console: Console | No
         render_table(report, console)
     if opts.report is not None:
         write_atomic(opts.report, render_markdown(report))
+    if opts.html is not None:
+        from llmopt.eval.html_report import eval_page
+
+        write_html(opts.html, eval_page(report))
     message = failure_message(report.gates)
     if message:
         raise GateFailed(message)

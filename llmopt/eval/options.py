@@ -32,6 +32,7 @@ class EvalOptions(BaseModel):
     max_batch_tokens: int | None = Field(None, ge=2)
     kl_top_k: int = Field(DEFAULT_TOP_K, ge=1)  # baseline log-probs kept per token for KL (divergence.py)
     report: Path | None = None
+    html: Path | None = None  # a self-contained HTML page (llmopt.eval.html_report)
     bisect: bool = False
     bisect_plot: Path | None = None
 

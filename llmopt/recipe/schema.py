@@ -42,7 +42,7 @@ RUNNER_FIELDS: dict[str, frozenset[str]] = {
     "vram_plan": frozenset({"gpu_memory_bytes"}),
     "calibration": frozenset({"model", "output", "overwrite"}),
     "quantize": frozenset({"model", "output", "overwrite", "calib", "calib_data", "num_samples", "seq_len", "seed"}),
-    "eval": frozenset({"model", "report", "bisect_plot"}),
+    "eval": frozenset({"model", "report", "html", "bisect_plot"}),
     "serve.engine": frozenset({"model"}),
     "serve.server": frozenset(),
     "bench": frozenset({
@@ -51,7 +51,7 @@ RUNNER_FIELDS: dict[str, frozenset[str]] = {
         "dtype", "device",
         "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype", "prefix_caching",
         # outputs go to the run directory
-        "json_path", "markdown_path", "plot_path", "progress",
+        "json_path", "markdown_path", "plot_path", "html_path", "progress",
         # an A/B needs two targets; a recipe has one (CI.md gates a regression with `llmopt bench --ab`)
         "ab", "ab_order",
     }),

@@ -1,4 +1,5 @@
-"""What a run did, per stage: `summary.json` for machines, `summary.md` for people, a table for the terminal.
+"""What a run did, per stage: `summary.json` for machines, `summary.md` for people (and `summary.html`, the
+same with figures: `summary_html.py`), a table for the terminal.
 
 Per stage: its status (ran, skipped because unchanged, failed, not run because an earlier stage
 stopped the run, not selected by `--stages`; in a dry run: would run / would skip), why, how long it
@@ -142,6 +143,8 @@ def render_table(report: RunReport, console: Console) -> None:
 
 def write_summary(run_dir: Path, report: RunReport) -> None:
     from llmopt.io import write_json_atomic, write_text_atomic
+    from llmopt.recipe.summary_html import SUMMARY_HTML, render_html
 
     write_json_atomic(run_dir / "summary.json", report.to_json())
     write_text_atomic(run_dir / "summary.md", render_markdown(report))
+    write_text_atomic(run_dir / SUMMARY_HTML, render_html(report, run_dir))
