@@ -54,8 +54,8 @@ DOC_MARKERS = ("<!-- quant-peers:begin (written by benchmarks/peers/quant_peers.
                "<!-- quant-peers:end -->")
 
 # label -> (tool, method, options); llmopt options are QuantizeConfig fields, llm-compressor options go
-# to the worker (GPTQModifier's actorder default is "static": act-order with static groups, our
-# --act-order default; AWQModifier uses its default mappings for llama, then QuantizationModifier).
+# to the worker (GPTQModifier's actorder default is "static": act-order with static groups, as ours
+# since issue #32; AWQModifier uses its default mappings for llama, then QuantizationModifier).
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llm-compressor RTN": ("llmcompressor", "rtn", {}),
     "llm-compressor RTN (mse observer)": ("llmcompressor", "rtn", {"observer": "mse"}),
@@ -68,7 +68,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 # more rows, run only when --only names them
 EXTRA: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llm-compressor GPTQ (no actorder)": ("llmcompressor", "gptq", {"actorder": None}),
-    "llmopt GPTQ": ("llmopt", "gptq", {}),
+    "llmopt GPTQ": ("llmopt", "gptq", {"act_order": False}),
     "llmopt GPTQ act-order mse": ("llmopt", "gptq", {"act_order": True, "mse": True}),
 }
 

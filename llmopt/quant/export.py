@@ -105,7 +105,7 @@ def _compressed_config(targets: list[Target], act_order: bool) -> dict[str, Any]
     return compressed_quantization_config(groups, ignore=ignore, kv_cache_scheme=None)
 
 
-def _gptq_config(targets: list[Target], act_order: bool, damp: float) -> dict[str, Any]:
+def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_groups: bool) -> dict[str, Any]:
     schemes = {t.scheme for t in targets if t.scheme is not None}
     if len(schemes) != 1:
         raise LlmoptError("the gptq format has one bits/group_size for the whole model; use --format "
@@ -116,14 +116,16 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float) -> dict[st
     if skipped:
         raise LlmoptError(f"the gptq format cannot leave decoder linears unquantized ({skipped[0]}); "
                           "use --format compressed-tensors")
-    return gptq_quantization_config(scheme.weights, desc_act=act_order, static_groups=act_order,
+    return gptq_quantization_config(scheme.weights, desc_act=act_order, static_groups=act_order and static_groups,
                                     damp_percent=damp)
 
 
-def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float) -> dict[str, Any]:
-    """config.json's `quantization_config` (raises early when the format cannot express the plan)."""
+def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,
+                        static_groups: bool = True) -> dict[str, Any]:
+    """config.json's `quantization_config` (raises early when the format cannot express the plan). The gptq
+    format records `desc_act` and, with it, whether the groups were static (identity g_idx) or not."""
     if fmt == "gptq":
-        return _gptq_config(targets, act_order, damp)
+        return _gptq_config(targets, act_order, damp, static_groups)
     return _compressed_config(targets, act_order)
 
 
@@ -140,9 +142,9 @@ class CheckpointExport:
     safetensors shards of at most `max_shard_bytes` (`models.shards`) as they come."""
 
     def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
-                 max_shard_bytes: int) -> None:
+                 max_shard_bytes: int, static_groups: bool = True) -> None:
         self.out, self.targets, self.fmt = out, targets, fmt
-        self.qcfg = quantization_config(targets, fmt, act_order, damp)  # fails before any work
+        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups)  # fails before any work
         self.writer = ShardWriter(out, max_shard_bytes)
 
     def _add(self, tensors: dict[str, torch.Tensor]) -> None:

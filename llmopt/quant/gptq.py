@@ -124,8 +124,8 @@ def gptq_quantize(
     scheme: QuantScheme,
     damp: float = 0.01,
     block_size: int = 128,
-    act_order: bool = False,
-    static_groups: bool = False,
+    act_order: bool = True,
+    static_groups: bool = True,
     mse_observer: bool = False,
     own_h: bool = False,
 ) -> tuple[QuantizedWeight, float]:
@@ -136,11 +136,13 @@ def gptq_quantize(
     * dead inputs (H_ii == 0) get H_ii = 1 and a zeroed weight column;
     * λ = damp · mean(diag H) is added to the diagonal before the Cholesky of H⁻¹;
     * columns are processed in blocks of `block_size` with lazy updates of the rest;
-    * group parameters are chosen when a group's first column is reached, from the already
-      error-compensated weights; with `static_groups` they are fixed up front from the original
-      contiguous groups (so act-order keeps identity g_idx);
-    * `act_order` processes columns by decreasing H_ii; g_idx records each column's group in the
-      original column order;
+    * with `static_groups` (the default) group parameters are fixed up front from the original
+      contiguous groups, as RTN picks them (so act-order keeps identity g_idx); without, they are chosen
+      when a group's first column is reached, from the already error-compensated weights;
+    * `act_order` (the default) processes columns by decreasing H_ii; without static groups, g_idx
+      records each column's group in the original column order. The defaults are llm-compressor's
+      (actorder "static"): plain GPTQ (act_order=False, static_groups=False) came out worse than RTN on
+      SmolLM2 (docs/QUANTIZE.md, "GPTQ defaults");
     * `mse_observer` picks each group's range by shrink-grid search instead of min/max.
 
     Returns the QuantizedWeight and the GPTQ loss Σ (w - q)² / (2 [H⁻¹]_ii²) (a proxy for the

@@ -80,7 +80,10 @@ def compressed_config_group(
         "dynamic": False,
         "observer": "minmax",
     }
-    if act_order:
+    # Per channel there is one group and nothing to declare; compressed-tensors releases that vLLM ships
+    # reject actorder on a channel strategy ("Must use group quantization strategy in order to apply
+    # activation ordering"), and GPTQ's default act-order also runs on per-channel int8 (w8a16, w8a8).
+    if act_order and strategy == "group":
         weights["actorder"] = "weight"
     return {
         "targets": list(targets),

@@ -88,14 +88,15 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     checkpoint = CheckpointTensors(directory)
     model = build_empty(resolved, torch.float32, device)
     targets, notes = plan_targets(model, cfg)
-    quantization_config(targets, cfg.format, cfg.act_order, cfg.damp)  # fail early
+    act_order = bool(cfg.act_order)  # resolved by QuantizeConfig: on for GPTQ unless --no-act-order
+    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups)  # fail early
     tokenizer = load_tokenizer(directory)
     for note in notes:
         console.print(f"[cyan]note:[/] {note}", highlight=False)
     t0 = time.perf_counter()
     windows, calib = _calibration(cfg, resolved, directory, tokenizer, console)
     sample_s = time.perf_counter() - t0
-    opts = SequentialOptions(method=cfg.method, act_order=cfg.act_order, static_groups=cfg.static_groups,
+    opts = SequentialOptions(method=cfg.method, act_order=act_order, static_groups=cfg.static_groups,
                              mse=cfg.mse, damp=cfg.damp, block_size=cfg.block_size,
                              smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=DTYPES[cfg.forward_dtype],
                              batch_tokens=cfg.batch_tokens)
@@ -110,7 +111,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
         load_s += time.perf_counter() - t
 
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
-        export = CheckpointExport(tmp, targets, cfg.format, cfg.act_order, cfg.damp, max_shard_bytes)
+        export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
+                                  static_groups=cfg.static_groups)
 
         def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
             nonlocal write_s

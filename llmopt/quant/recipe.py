@@ -76,7 +76,10 @@ class QuantizeConfig(BaseModel):
     method: Method = "rtn"
     group_size: int | None = None  # None: the preset default (w4a16: 128, or 64/32 when 128 does not divide)
     symmetric: bool = True
-    act_order: bool = False
+    # GPTQ: columns in decreasing Hessian-diagonal order. None (the default) means on for --method gptq and
+    # off for the others; resolved to a bool by validation. Without it GPTQ chooses each group's range as it
+    # reaches it and ends up worse than RTN on SmolLM2 (docs/QUANTIZE.md, "GPTQ defaults", issue #32).
+    act_order: bool | None = None
     static_groups: bool = True  # act-order: fix group scales before the error feedback (identity g_idx)
     mse: bool = False  # GPTQ: choose each group's range by shrink-grid MSE search instead of min/max
     calib: Path | None = None
@@ -137,6 +140,8 @@ class QuantizeConfig(BaseModel):
             raise ValueError("w8a8 uses SmoothQuant for activation outliers; use --method rtn or gptq")
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order applies to --method gptq only")
+        if self.act_order is None:
+            self.act_order = self.method == "gptq"
         if self.act_order and not self.static_groups and self.format == "compressed-tensors":
             raise ValueError("act-order without static groups needs --format gptq (compressed-tensors no longer "
                              "reads a group index)")

@@ -80,7 +80,7 @@ def _producers(model: CausalLM, layer_targets) -> dict[str, tuple[str, str | Non
 @dataclass
 class SequentialOptions:
     method: str = "rtn"  # rtn | gptq | awq
-    act_order: bool = False
+    act_order: bool = True  # GPTQ only (issue #32: without it GPTQ lost to RTN on SmolLM2)
     static_groups: bool = True
     mse: bool = False
     damp: float = 0.01

@@ -51,7 +51,7 @@ def test_gptq_with_identity_hessian_is_rtn():
     """No input correlation → no error feedback → exactly round-to-nearest."""
     w = torch.randn(16, 64)
     scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
-    qw, _ = gptq_quantize(w, torch.eye(64), scheme, block_size=16)
+    qw, _ = gptq_quantize(w, torch.eye(64), scheme, block_size=16, act_order=False, static_groups=False)
     rtn = rtn_quantize(w, scheme)
     assert torch.equal(qw.q, rtn.q) and torch.equal(qw.scale, rtn.scale) and torch.equal(qw.zero, rtn.zero)
 
@@ -62,7 +62,7 @@ def test_act_order_g_idx_maps_groups_back_to_original_columns():
     H = _hessian(x)
     w = torch.randn(32, 128) * 0.05
     scheme = QuantScheme(bits=4, group_size=32)
-    qw, _ = gptq_quantize(w, H, scheme, act_order=True)
+    qw, _ = gptq_quantize(w, H, scheme, act_order=True, static_groups=False)
     assert qw.is_act_order
     perm = torch.argsort(torch.diag(H), descending=True)
     # the j-th processed column (by decreasing H_ii) belongs to group j // 32
@@ -125,8 +125,9 @@ def test_groups_straddling_blocks_match_aligned_blocks():
     H = 2 * x.t() @ x / 512
     w = torch.randn(16, 96) * 0.05
     scheme = QuantScheme(bits=4, group_size=48, scale_dtype="float32")
-    aligned, _ = gptq_quantize(w, H, scheme, block_size=48)
-    straddled, _ = gptq_quantize(w, H, scheme, block_size=32)
+    plain = {"act_order": False, "static_groups": False}  # ranges chosen as the columns are reached
+    aligned, _ = gptq_quantize(w, H, scheme, block_size=48, **plain)
+    straddled, _ = gptq_quantize(w, H, scheme, block_size=32, **plain)
     assert torch.allclose(aligned.scale, straddled.scale, rtol=1e-4)
     assert (aligned.q != straddled.q).float().mean() < 0.01
 
@@ -156,7 +157,7 @@ def test_blocked_gptq_matches_textbook_algorithm():
     H = 2 * x.t() @ x / 512
     w = torch.randn(24, 96) * 0.05
     scheme = QuantScheme(bits=4, group_size=32, scale_dtype="float32")
-    qw, _ = gptq_quantize(w, H, scheme, block_size=40)
+    qw, _ = gptq_quantize(w, H, scheme, block_size=40, act_order=False, static_groups=False)
     ref = _textbook_gptq(w, H, scheme)
     same = torch.isclose(qw.dequantize().double(), ref, rtol=1e-4, atol=1e-6).float().mean()
     assert same > 0.99  # float32 vs float64 may flip a rare rounding tie

@@ -61,7 +61,8 @@ def test_int4_linear_matches_dequant_reference(out_f, in_f, scheme, mode, with_b
 def test_int4_act_order_permutes_inputs_once():
     x_cal = correlated_inputs(256, 128) * torch.linspace(0.1, 3, 128)
     w = torch.randn(64, 128) * 0.05
-    qw, _ = gptq_quantize(w, 2 * x_cal.t() @ x_cal / 256, QuantScheme(bits=4, group_size=32), act_order=True)
+    qw, _ = gptq_quantize(w, 2 * x_cal.t() @ x_cal / 256, QuantScheme(bits=4, group_size=32), act_order=True,
+                          static_groups=False)
     assert qw.is_act_order
     m = Int4WeightOnlyLinear.from_quantized(qw)
     assert m.mode == "cpu-int4pack" and m.perm is not None
@@ -117,7 +118,8 @@ def test_int8_linear_matches_dequant_reference(out_f, in_f, scheme, mode):
 def test_int8_act_order_uses_fallback_with_g_idx():
     x_cal = correlated_inputs(256, 64) * torch.linspace(0.1, 3, 64)
     qw, _ = gptq_quantize(
-        torch.randn(16, 64), 2 * x_cal.t() @ x_cal / 256, QuantScheme(bits=8, group_size=32), act_order=True
+        torch.randn(16, 64), 2 * x_cal.t() @ x_cal / 256, QuantScheme(bits=8, group_size=32), act_order=True,
+        static_groups=False,
     )
     m = quantized_linear(qw)
     assert isinstance(m, Int8WeightOnlyLinear) and m.mode == "dequant"

@@ -67,9 +67,18 @@ def test_library_decompresses_gptq_static_act_order():
     assert cfg["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
     got = _library_decompress(cfg, pack_compressed(qw))
     assert torch.equal(got, qw.dequantize(torch.float16))
-    dynamic, _ = gptq_quantize(torch.randn(16, 64), 2 * x.t() @ x / 256, scheme, act_order=True)
+    dynamic, _ = gptq_quantize(torch.randn(16, 64), 2 * x.t() @ x / 256, scheme, act_order=True,
+                               static_groups=False)
     with pytest.raises(LlmoptError):
         pack_compressed(dynamic)
+
+
+def test_actorder_is_declared_for_groups_only():
+    """GPTQ runs act-order by default, also for per-channel int8 (w8a16, w8a8); a channel has one group, so
+    nothing is declared there: compressed-tensors releases that vLLM ships reject actorder on a channel strategy
+    ("Must use group quantization strategy in order to apply activation ordering")."""
+    assert compressed_config_group(QuantScheme(bits=4, group_size=32), act_order=True)["weights"]["actorder"] == "weight"
+    assert "actorder" not in compressed_config_group(QuantScheme(bits=8, group_size=-1), act_order=True)["weights"]
 
 
 def test_library_decompresses_fp8_exactly():

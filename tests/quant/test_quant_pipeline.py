@@ -138,7 +138,7 @@ def test_act_order_with_a_group_index_and_mse_ranges_round_trip(tiny_llama, tmp_
                                  **common)
     assert any(m.qw.is_act_order for m in modules.values())
     cfg = json.loads((tmp_path / "dyn" / "config.json").read_text())["quantization_config"]
-    assert cfg["desc_act"] is True
+    assert cfg["desc_act"] is True and cfg["static_groups"] is False
     _, mse_modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "mse", mse=True, **common)
     assert all(m.method == "gptq" for m in mse_modules.values())
     seqs = [list(s) for s in _heldout(tiny_llama)]

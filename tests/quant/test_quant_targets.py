@@ -54,6 +54,16 @@ def test_bad_recipes_are_rejected(kw, msg):
         _cfg(**kw)
 
 
+def test_act_order_is_on_by_default_for_gptq_only():
+    """Issue #32: GPTQ without act-order lost to RTN on SmolLM2, so act-order (static groups) is the default."""
+    assert _cfg(scheme="w4a16", method="gptq").act_order is True
+    assert _cfg(scheme="w4a16", method="gptq", act_order=False).act_order is False
+    assert _cfg(scheme="w4a16").act_order is False and _cfg(scheme="w4a16", method="awq").act_order is False
+    assert _cfg(scheme="w4a16", act_order=False).act_order is False  # --no-act-order is harmless with rtn
+    with pytest.raises(ValidationError, match="needs --format gptq"):  # the default act-order, dynamic groups
+        _cfg(scheme="w4a16", method="gptq", static_groups=False)
+
+
 def test_w4_default_group_falls_back_with_a_note_and_explicit_128_fails():
     model = _smollm2_like()
     targets, notes = plan_targets(model, _cfg(scheme="w4a16"))
