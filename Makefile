@@ -31,6 +31,7 @@ install: $(STAMP)
 
 demo: install
 	$(PY) -m llmopt run recipes/quickstart.yaml
+	@echo "report: runs/quickstart/summary.html (one self-contained page) and summary.md"
 	$(PY) -m llmopt generate smollm2-135m --chat --max-tokens 48 --prompt "What is a KV cache, in one sentence?"
 
 lint: install
