@@ -117,7 +117,7 @@ def bars_svg(name: str, labels: Sequence[int | str], values: Sequence[float], hi
 def stacked_bar_svg(name: str, parts: Sequence[tuple[str, float]], capacity: float | None, unit: str,
                     title: str) -> str:
     """One horizontal bar split into parts (e.g. weights, KV cache, activations, reserve) against a capacity."""
-    with _figure(name, (7.0, 1.9)) as fig:
+    with _figure(name, (7.0, 2.4)) as fig:
         ax = fig.subplots()
         left = 0.0
         colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
@@ -129,7 +129,7 @@ def stacked_bar_svg(name: str, parts: Sequence[tuple[str, float]], capacity: flo
         ax.set_yticks([])
         ax.set_xlabel(unit)
         ax.set_title(title)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, fontsize=7, frameon=False)
+        fig.legend(loc="outside lower center", ncol=3, fontsize=7, frameon=False)
         return _svg(fig, name)
 
 

@@ -58,3 +58,19 @@ def test_bad_html_path_exits_2_before_running(where, closed_port, tmp_path, monk
     assert code == 2, (out, err)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --html") and str(target) in lines[0], err
+
+
+def test_scenario_page(tiny_llama, tmp_path, monkeypatch, capsys):
+    """In-process scenario on the tiny model: the comparison, every variant's runs and CDFs."""
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", str(tiny_llama), "--dtype", "float32",
+                             "--device", "cpu", "--kv-cache-memory", "16MiB", "--scenario", "static-vs-continuous",
+                             "--static-batch-size", "2", "--num-prompts", "4", "--input-len", "8", "--output-len",
+                             "2:6", "--warmup", "0", "--no-progress", "--html", str(tmp_path / "s.html"))
+    assert code == 0, err
+    page = read_page(tmp_path / "s.html")
+    assert_self_contained(page)
+    assert page.title == "llmopt bench scenario"
+    assert {"scenario", "scenario-runs", "scenario-latency"} <= set(page.sections)
+    assert_figures(page, ["fig-scenario-cdf-ttft", "fig-scenario-cdf-tpot", "fig-scenario-cdf-e2el"])
+    assert "static: static batches of 2" in page.text and "continuous: " in page.text
+    assert page.verdicts == []  # no gates

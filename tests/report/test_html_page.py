@@ -74,3 +74,18 @@ def test_write_replaces_atomically(tmp_path):
     write_html(p, "<!DOCTYPE html>\n<html></html>\n")
     assert p.read_text().startswith("<!DOCTYPE html>")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["r.html"]
+
+
+def test_ab_interval_gates_get_the_shared_verdicts():
+    """bench --ab's interval gates only pass or fail; the page says NOT SHOWN when the interval straddles the
+    threshold, FAIL when all of it is past, as eval does."""
+    from llmopt.bench.ab_gates import check_bench_gates, parse_bench_gates
+    from llmopt.bench.ab_stats import RatioEstimate
+
+    est = RatioEstimate(ratio=0.97, low=0.93, high=1.01, confidence=0.95, rounds=6)
+    gates = parse_bench_gates(["output_throughput_ratio>=0.95@95", "output_throughput_ratio>=0.9@95",
+                               "output_throughput_ratio>=1.05@95", "output_throughput_ratio>=0.95"])
+    rows = gate_rows(check_bench_gates(gates, lambda m: 0.97, lambda m, c: est))
+    assert [r.verdict for r in rows] == ["NOT SHOWN", "PASS", "FAIL", "PASS"]
+    assert [r.reads for r in rows] == ["lower bound"] * 3 + ["point"]
+    assert rows[0].expression == "output_throughput_ratio>=0.95@95" and (rows[0].low, rows[0].high) == (0.93, 1.01)
