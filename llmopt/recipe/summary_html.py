@@ -10,6 +10,7 @@ latency curve and its knee). A stage whose artifact is missing is left out, with
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,10 @@ def _gate_rows(report: RunReport, eval_data: dict[str, Any] | None) -> list[Gate
     rows: list[GateRow] = []
     for s in report.stages:
         if s.name == "eval" and eval_data is not None and s.gates:
-            by_gate = {r.expression: r for r in eval_gate_rows(eval_data)}
+            try:
+                by_gate = {r.expression: r for r in eval_gate_rows(eval_data)}
+            except Exception:  # noqa: BLE001 - an unreadable eval.json: the recorded gates alone
+                by_gate = {}
             for g in s.gates:  # the recorded gates decide; eval.json adds their intervals
                 r = by_gate.get(g.gate)
                 if r is None:
@@ -75,32 +79,34 @@ def render_html(report: RunReport, run_dir: Path) -> str:
         gates = Section("gates", "Gates")
         gates.add(gate_table(rows))
         sections.append(gates)
-    missing = []
-    if "vram_plan" in ran:
-        plan = _read_json(run_dir / "vram_plan" / "plan.json")
-        if plan is None:
-            missing.append("vram_plan/plan.json")
-        else:
-            from llmopt.planning.plan_html import plan_section
+    missing: list[str] = []
 
-            sections.append(plan_section(plan))
-    if "eval" in ran:
-        if eval_data is None:
-            missing.append("eval/eval.json")
-        else:
-            from llmopt.eval.html_report import eval_sections
-
-            sections += eval_sections(eval_data, gates=False, prefix="eval-")
-    if "bench" in ran:
-        data = _read_json(run_dir / "bench" / "bench.json")
+    def add(artifact: str, build: Callable[[dict[str, Any]], list[Section]]) -> None:
+        """The sections of one artifact; one that is missing or unreadable (an older format) is named
+        instead: the summary is written after a failure too, and must never hide it."""
+        data = eval_data if artifact == "eval/eval.json" else _read_json(run_dir / artifact)
         if data is None:
-            missing.append("bench/bench.json")
-        else:
-            from llmopt.bench.html_report import bench_sections
+            missing.append(f"{artifact} (missing)")
+            return
+        try:
+            sections.extend(build(data))
+        except Exception as e:  # noqa: BLE001 - any unreadable artifact is reported, not raised
+            missing.append(f"{artifact} ({type(e).__name__})")
 
-            sections += bench_sections(_bench_result(data))
+    if "vram_plan" in ran:
+        from llmopt.planning.plan_html import plan_section
+
+        add("vram_plan/plan.json", lambda d: [plan_section(d)])
+    if "eval" in ran:
+        from llmopt.eval.html_report import eval_sections
+
+        add("eval/eval.json", lambda d: eval_sections(d, gates=False, prefix="eval-"))
+    if "bench" in ran:
+        from llmopt.bench.html_report import bench_sections
+
+        add("bench/bench.json", lambda d: bench_sections(_bench_result(d)))
     if missing:
-        stages.add(paragraph("Not shown (artifact missing): " + ", ".join(missing), "note"))
+        stages.add(paragraph("Not shown: " + ", ".join(missing), "note"))
     verdict = ("all gates passed" if report.exit_code == 0 else "gate(s) failed" if report.failed_gates
                else "a stage failed")
     meta = [verdict, f"run directory {report.run_dir}, started {report.started_at}, {report.duration_s:.1f} s"]

@@ -10,6 +10,7 @@ from html_check import assert_figures, assert_self_contained, read_page
 from rich.console import Console
 
 from llmopt.recipe.runner import RunRequest, run_recipe
+from llmopt.recipe.summary import write_summary
 from tests.cli_runner import run_cli
 from tests.eval.eval_helpers import write_task
 
@@ -80,3 +81,11 @@ def test_summary_html_of_a_plan_only_run(tiny_llama, tmp_path):
     assert set(page.sections) == {"stages", "gates", "memory-plan"}
     assert_figures(page, ["fig-memory-plan"])
     assert "not selected" in page.text
+    # an artifact the page cannot read (here: an older plan format) is named, and the summary still written
+    (tmp_path / "plan" / "vram_plan" / "plan.json").write_text('{"model": "x"}')
+    write_summary(tmp_path / "plan", report)
+    page = read_page(tmp_path / "plan" / "summary.html")
+    assert set(page.sections) == {"stages", "gates"} and "Not shown: vram_plan/plan.json (KeyError)" in page.text
+    (tmp_path / "plan" / "vram_plan" / "plan.json").unlink()
+    write_summary(tmp_path / "plan", report)
+    assert "Not shown: vram_plan/plan.json (missing)" in read_page(tmp_path / "plan" / "summary.html").text
