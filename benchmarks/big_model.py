@@ -1,6 +1,7 @@
 """A model of the size people deploy, end to end, with each stage's peak memory (issue #30).
 
-    python benchmarks/big_model.py [--shape 1b|llama2-7b|llama3-8b] [--workdir DIR] [--stages quantize,generate,eval]
+    python benchmarks/big_model.py [--shape 1b|llama2-7b|llama3-8b] [--workdir DIR]
+                                   [--stages quantize,generate,eval,llamacpp]
     make bench-big [BIG_ARGS="--shape 1b"]        # the Llama-3-8B shape by default
 
 1. Writes a seeded random checkpoint of a real architecture through transformers itself (`save_pretrained`,
@@ -14,6 +15,11 @@
    - generate: 64 tokens, greedy, bf16 on the source checkpoint and on each quantized one;
    - eval: perplexity, KL and top-1 of the W8A16 checkpoint against the bf16 model (`--eval-tokens` of
      WikiText-2 when ../shared/data has it, else the shipped calibration prose), one model after the other.
+   - llamacpp (when `make bench-peers` has built .peers/llama.cpp): the same bf16 checkpoint through
+     llama.cpp's own `convert_hf_to_gguf.py` (BF16) and `llama-quantize` (Q8_0, Q4_0), each served by
+     `llama-server` with the same thread count and asked for the same 64 greedy tokens (`ignore_eos`); its
+     decode speed is the server's own `timings.predicted_per_second`. llama.cpp maps the GGUF, so its
+     weights show in VmRSS, not RssAnon.
    The machine's DRAM read bandwidth is measured first (a sum over a 2 GB tensor, torch's threads), and each
    decode speed is given as the share of it that its weight bytes per token use.
 3. Prints a Markdown table (docs/BENCHMARKS.md keeps it with the command) and deletes each artifact once
@@ -32,10 +38,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LLAMACPP = Path(os.environ.get("LLAMACPP_DIR", REPO / ".peers" / "llama.cpp"))
+LLAMACPP_PY = Path(os.environ.get("LLAMACPP_PYENV", REPO / ".peers" / "llamacpp-py")) / "bin" / "python"
+PROMPT = "The capital of France is"
 CALIB = [REPO / "calibration_data" / "general_prose.jsonl", REPO / "calibration_data" / "kb_calibration.jsonl"]
 
 SHAPES = {
@@ -85,27 +96,43 @@ def write_checkpoint(shape: str, out: Path, seed: int = 0) -> float:
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
-def measure(cmd: list[str]) -> dict:
-    """Run `cmd`, sampling its peak RssAnon and VmRSS (kB in /proc/PID/status) every 20 ms."""
+def measure(cmd: list[str], during=None) -> dict:
+    """Run `cmd`, sampling its peak RssAnon and VmRSS (kB in /proc/PID/status) every 20 ms. With `during`
+    (a server), call during(proc) once it runs, then stop the process; its return value is kept as "result"."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     peak = {"RssAnon": 0, "VmRSS": 0}
     status = Path(f"/proc/{proc.pid}/status")
-    while proc.poll() is None:
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set() and proc.poll() is None:
+            try:
+                for line in status.read_text().splitlines():
+                    key = line.split(":", 1)[0]
+                    if key in peak:
+                        peak[key] = max(peak[key], int(line.split()[1]) * 1024)
+            except (OSError, ValueError, IndexError):
+                pass
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    result = None
+    if during is not None:
         try:
-            for line in status.read_text().splitlines():
-                key = line.split(":", 1)[0]
-                if key in peak:
-                    peak[key] = max(peak[key], int(line.split()[1]) * 1024)
-        except (OSError, ValueError, IndexError):
-            pass
-        time.sleep(0.02)
-    out = proc.stdout.read() if proc.stdout else ""
-    if proc.returncode != 0:
+            result = during(proc)
+        finally:
+            done.set()
+            proc.terminate()
+    out = proc.communicate()[0] or ""
+    done.set()
+    sampler.join()
+    if during is None and proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
     return {"seconds": time.perf_counter() - t0, "peak_anon": peak["RssAnon"], "peak_rss": peak["VmRSS"],
-            "output": out}
+            "output": out, "result": result}
 
 
 def gb(n: float) -> str:
@@ -116,8 +143,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="1b")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
-    ap.add_argument("--stages", default="quantize,generate,eval",
-                    help="quantize,generate,eval; or `write`: only write the checkpoint into --workdir and keep it")
+    ap.add_argument("--stages", default="quantize,generate,eval,llamacpp",
+                    help="quantize,generate,eval,llamacpp (llamacpp is skipped, with a note, until `make "
+                         "bench-peers` has built it); or `write`: only write the checkpoint into --workdir and keep it")
     ap.add_argument("--gptq-windows", type=int, default=16)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--schemes", default="w8a16-rtn,w4a16-rtn,w4a16-gptq")
@@ -153,7 +181,7 @@ def main() -> None:
                        "--num-samples", str(args.gptq_windows), "--seq-len", "512",
                        *[a for c in CALIB for a in ("--calib-data", str(c))]],
     }
-    gen = ["generate", "--max-tokens", "64", "--prompt", "The capital of France is", "--json"]
+    gen = ["generate", "--max-tokens", "64", "--prompt", PROMPT, "--json"]
     if "generate" in stages:
         r = measure([*py, *gen[:1], str(src), "--dtype", "bfloat16", *gen[1:]])
         rows.append(("generate bf16", r, size))
@@ -182,6 +210,11 @@ def main() -> None:
             print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", _eval_summary(r["output"]), flush=True)
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
+    if "llamacpp" in stages:
+        if (LLAMACPP / "bin" / "llama-server").exists() and LLAMACPP_PY.exists():
+            rows += run_llamacpp(src, work, keep=args.keep)  # deletes src once converted, unless keep
+        else:
+            print(f"llamacpp: skipped, {LLAMACPP}/bin has no llama-server (run `make bench-peers` first)", flush=True)
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
     print(f"\n{args.shape}: bf16 checkpoint {gb(size)}, CPU {cpu()}, torch threads {os.environ.get('OMP_NUM_THREADS', 'all')}")
@@ -190,11 +223,80 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, r, stage_bytes in rows:
         if name.startswith("generate"):
-            result = _decode_rate(r["output"], stage_bytes - embedding, bandwidth)
+            result = _decode_rate(_json(r["output"]).get("decode_tok_s"), stage_bytes - embedding, bandwidth)
+        elif r.get("result"):  # llama-server's decode speed; stage_bytes is already without token_embd
+            result = _decode_rate(r["result"], stage_bytes, bandwidth)
         else:
             result = _eval_summary(r["output"]) if name.startswith("eval") else ""
         print(f"| {name} | {gb(r['peak_anon'])} | {r['peak_anon'] / size:.2f}x | {gb(r['peak_rss'])} "
               f"| {r['seconds']:.0f} s | {result} |")
+
+
+def run_llamacpp(src: Path, work: Path, keep: bool) -> list[tuple[str, dict, float]]:
+    """llama.cpp on the same weights: convert to a BF16 GGUF, quantize to Q8_0 and Q4_0, and serve each with
+    llama-server for one 64-token greedy completion. Each GGUF is deleted once measured (unless `keep`)."""
+    rows: list[tuple[str, dict, float]] = []
+    bf16 = work / "llamacpp-bf16.gguf"
+    if not bf16.exists():
+        r = measure([str(LLAMACPP_PY), str(LLAMACPP / "bin" / "convert_hf_to_gguf.py"), str(src),
+                     "--outtype", "bf16", "--outfile", str(bf16)])
+        rows.append(("llama.cpp convert_hf_to_gguf BF16", r, bf16.stat().st_size))
+        print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+    if not keep:  # the safetensors are no longer needed: 16 GB less on disk while the GGUFs exist
+        shutil.rmtree(src, ignore_errors=True)
+    rows.append(("llama.cpp BF16", serve_llamacpp(bf16), gguf_bytes_per_token(bf16)))
+    print(rows[-1][0], rows[-1][1]["result"], flush=True)
+    for q in ("Q8_0", "Q4_0"):
+        out = work / f"llamacpp-{q.lower()}.gguf"
+        r = measure([str(LLAMACPP / "bin" / "llama-quantize"), str(bf16), str(out), q, str(threads())])
+        rows.append((f"llama.cpp llama-quantize {q}", r, bf16.stat().st_size))
+        print(rows[-1][0], gb(r["peak_anon"]), f"{r['seconds']:.0f} s", flush=True)
+        rows.append((f"llama.cpp {q}", serve_llamacpp(out), gguf_bytes_per_token(out)))
+        print(rows[-1][0], rows[-1][1]["result"], flush=True)
+        if not keep:
+            out.unlink()
+    if not keep:
+        bf16.unlink()
+    return rows
+
+
+def gguf_bytes_per_token(gguf: Path) -> int:
+    """The GGUF's tensor bytes less token_embd (one row of it is read a token), by llama.cpp's own gguf-py."""
+    sys.path.insert(0, str(LLAMACPP / "bin" / "gguf-py"))
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(gguf).tensors
+    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
+
+
+def serve_llamacpp(gguf: Path, port: int = 18590) -> dict:
+    """llama-server on `gguf` with our thread count; one warm-up then one measured 64-token completion."""
+    cmd = [str(LLAMACPP / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads()), "-c", "512",
+           "--parallel", "1", "--host", "127.0.0.1", "--port", str(port)]
+    base = f"http://127.0.0.1:{port}"
+
+    def ask(proc: subprocess.Popen) -> float:
+        for _ in range(3000):
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server died loading {gguf}")
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        rate = 0.0
+        for n in (4, 64):  # warm-up, then the measured completion
+            body = {"prompt": PROMPT, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+            req = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            rate = json.load(urllib.request.urlopen(req, timeout=1800))["timings"]["predicted_per_second"]
+        return round(rate, 2)
+
+    return measure(cmd, during=ask)
+
+
+def threads() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
 
 
 def _json(output: str) -> dict:
@@ -206,10 +308,9 @@ def _json(output: str) -> dict:
         return {}
 
 
-def _decode_rate(output: str, weight_bytes: float, bandwidth: float) -> str:
-    """generate --json's decode speed, and the share of the read bandwidth its weight bytes per token use
-    (every weight is read once a token; the KV and the embedding row are noise at this size)."""
-    rate = _json(output).get("decode_tok_s")
+def _decode_rate(rate: float | None, weight_bytes: float, bandwidth: float) -> str:
+    """A decode speed, and the share of the read bandwidth its weight bytes per token use (every weight is
+    read once a token; the KV and the embedding row are noise at this size)."""
     return f"{rate} tok/s, {rate * weight_bytes / bandwidth:.0%} of the bandwidth" if rate else ""
 
 
