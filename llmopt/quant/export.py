@@ -116,7 +116,9 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_gro
     if skipped:
         raise LlmoptError(f"the gptq format cannot leave decoder linears unquantized ({skipped[0]}); "
                           "use --format compressed-tensors")
-    return gptq_quantization_config(scheme.weights, desc_act=act_order, static_groups=act_order and static_groups,
+    # one group per channel has nothing to order: vLLM, too, reads desc_act as false there
+    desc_act = act_order and scheme.weights.group_size != -1
+    return gptq_quantization_config(scheme.weights, desc_act=desc_act, static_groups=desc_act and static_groups,
                                     damp_percent=damp)
 
 

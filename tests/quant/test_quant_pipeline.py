@@ -146,3 +146,17 @@ def test_act_order_with_a_group_index_and_mse_ranges_round_trip(tiny_llama, tmp_
     e_rtn = _logit_error(tmp_path / "rtn", reference, seqs)
     for name in ("dyn", "mse"):
         assert _logit_error(tmp_path / name, reference, seqs) < e_rtn, name
+
+
+def test_default_gptq_exports_act_order_static_groups(tiny_llama, tmp_path, monkeypatch):
+    """GPTQ's default (act-order, static groups; issue #32) in the gptq format: desc_act with static groups
+    and an identity g_idx; per channel (w8a16) there is nothing to order, so desc_act stays false."""
+    _, modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "w4", scheme="w4a16", group_size=32,
+                               method="gptq", format="gptq", **calib_options(2, 32))
+    cfg = json.loads((tmp_path / "w4" / "config.json").read_text())["quantization_config"]
+    assert (cfg["desc_act"], cfg["static_groups"]) == (True, True)
+    assert not any(m.qw.is_act_order for m in modules.values())  # identity g_idx: every kernel reads it
+    quantize_tiny(monkeypatch, tiny_llama, tmp_path / "w8", scheme="w8a16", method="gptq", format="gptq",
+                  **calib_options(2, 32))
+    cfg = json.loads((tmp_path / "w8" / "config.json").read_text())["quantization_config"]
+    assert (cfg["desc_act"], cfg["static_groups"]) == (False, False)
