@@ -154,6 +154,8 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="llmopt-big-"))
     work.mkdir(parents=True, exist_ok=True)
     need = {"1b": 8e9, "llama2-7b": 36e9, "llama3-8b": 40e9}[args.shape]
+    # what an earlier --keep left in the workdir is already on disk and is deleted as its stages finish
+    need -= sum(f.stat().st_size for f in work.rglob("*.safetensors"))
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"{work}: {gb(free)} free, this shape needs {gb(need)}")

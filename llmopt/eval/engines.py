@@ -16,12 +16,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 import llmopt.native as native
+from llmopt.devices import resolve_device
 from llmopt.engine.config import EngineConfig
 from llmopt.engine.llm import LLM
 from llmopt.errors import LlmoptError
 
-# tokens the pool holds besides one scoring batch: room for generation tasks' concurrent prompts
+# tokens the pool holds besides one scoring batch: room for generation tasks' concurrent prompts, but never
+# more than _GENERATION_KV_BYTES of KV (16k tokens of a 7B model without GQA would be 8 GiB in bf16)
 _GENERATION_TOKENS = 16384
+_GENERATION_KV_BYTES = 2 * 1024**3
 
 
 class EngineOptions(BaseModel):
@@ -41,7 +44,7 @@ class EngineOptions(BaseModel):
 def build_llm(model: str | None, opts: EngineOptions) -> LLM:
     """An LLM whose pool fits one scoring batch of `max_batch_tokens` and concurrent generation (an 8B
     model's 16k-token pool is 2 GB: only an eval with generation tasks asks for it)."""
-    tokens = max(opts.max_batch_tokens, opts.max_model_len or 0, opts.generation_tokens)
+    tokens = max(opts.max_batch_tokens, opts.max_model_len or 0, generation_tokens(model, opts))
     cfg = EngineConfig(model=model, dtype=opts.dtype, device=opts.device, kv_cache_dtype=opts.kv_cache_dtype,
                        max_num_batched_tokens=max(opts.max_batch_tokens, 2048), max_num_seqs=opts.max_num_seqs,
                        num_kv_blocks=math.ceil(tokens / 16) + 1, block_size=16,
@@ -53,6 +56,24 @@ def build_llm(model: str | None, opts: EngineOptions) -> LLM:
     except Exception as e:  # corrupt safetensors, unsupported layout, OOM: one line, exit 2
         first = str(e).splitlines()[0] if str(e) else repr(e)
         raise LlmoptError(f"cannot load model {model or 'smollm2-135m'!r}: {type(e).__name__}: {first}") from None
+
+
+def generation_tokens(model: str | None, opts: EngineOptions) -> int:
+    """The pool's room for generation: `opts.generation_tokens`, capped at _GENERATION_KV_BYTES of this
+    model's KV (fewer prompts then decode at once; the scheduler queues the rest)."""
+    if not opts.generation_tokens:
+        return 0
+    from llmopt.models.loader import parse_dtype
+    from llmopt.models.resolve import resolve_model
+
+    try:
+        spec = resolve_model(model).spec
+        element = 1 if opts.kv_cache_dtype == "int8" else parse_dtype(
+            opts.dtype, spec.dtype, resolve_device(opts.device)).itemsize
+    except LlmoptError:
+        return opts.generation_tokens  # a bad model or dtype is reported by the load, as one line
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element
+    return max(1, min(opts.generation_tokens, _GENERATION_KV_BYTES // per_token))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -60,3 +60,19 @@ def test_weight_bytes_counts_packed_weights_without_unpacking(tmp_path):
     assert m.peak == 0
     s = model.spec
     assert counted >= 2 * s.num_params() * 0.99  # every weight, in bf16 (packed or not)
+
+
+def test_generation_room_is_capped_in_bytes():
+    """A generate_until task's pool room is 16k tokens, but at most 2 GiB of KV: for Llama-2-7B (no GQA,
+    512 KiB a token in bf16) 16k tokens would be 8 GiB, which with the 13.8 GB model ran a 24 GiB machine
+    out of memory in the seed recipe's eval."""
+    from pathlib import Path
+
+    from llmopt.eval.engines import EngineOptions, generation_tokens
+
+    llama2 = str(Path(__file__).resolve().parents[2] / "recipes" / "configs" / "llama-2-7b.config.json")
+    opts = EngineOptions(dtype="bfloat16", device="cpu")
+    assert generation_tokens(llama2, opts) == 4096
+    assert generation_tokens(llama2, opts.model_copy(update={"kv_cache_dtype": "int8"})) == 8192
+    assert generation_tokens(llama2, opts.model_copy(update={"generation_tokens": 0})) == 0
+    assert generation_tokens("smollm2-135m", opts) == 16384  # 22.5 KiB a token: the full room
