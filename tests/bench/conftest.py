@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
 import pytest
-from scripted_sse_server import ScriptedSSEServer
 
+from tests.shared_fixtures import closed_port, fake_server
 
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[ScriptedSSEServer]:
-    srv = ScriptedSSEServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["closed_port", "fake_server"]
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,7 @@
-"""Fixtures for the recipe tests."""
+"""Fixtures for the recipe tests: one intra-op thread for every engine a recipe test starts."""
 
 from __future__ import annotations
 
-import pytest
+from tests.shared_fixtures import _one_thread
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """The machine is shared: one intra-op thread for every engine a recipe test starts."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+__all__ = ["_one_thread"]

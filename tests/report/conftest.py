@@ -2,38 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from tests.shared_fixtures import _one_thread, closed_port, fake_server
 
-import pytest
-
-from tests.bench.scripted_sse_server import ScriptedSSEServer
-
-
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[ScriptedSSEServer]:
-    srv = ScriptedSSEServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """The machine is shared: one intra-op thread for every engine a test starts."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["_one_thread", "closed_port", "fake_server"]
