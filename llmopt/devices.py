@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
+import llmopt.native as native
 from llmopt.errors import LlmoptError
 
 
@@ -17,3 +20,12 @@ def resolve_device(device: str) -> torch.device:
         return torch.device(device)
     except RuntimeError:
         raise LlmoptError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+
+
+def free_memory(device: torch.device | str | None = None) -> None:
+    """Hand back the memory of models no longer referenced (cycles included), before the next one loads:
+    the collector for cycles, glibc's heap for freed host tensors, the caching allocator for CUDA ones."""
+    gc.collect()
+    native.trim_heap()
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

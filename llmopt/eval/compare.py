@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmopt.devices import resolve_device
+from llmopt.devices import free_memory, resolve_device
 from llmopt.engine.llm import LLM
 from llmopt.errors import LlmoptError
 from llmopt.eval.bisect import BisectResult, run_bisect
 from llmopt.eval.divergence import BaselineTopK
-from llmopt.eval.engines import build_llm, float32_notice, free_memory, weight_bytes
+from llmopt.eval.engines import build_llm, float32_notice, weight_bytes
 from llmopt.eval.metrics import mean_stderr
 from llmopt.eval.options import EvalOptions
 from llmopt.eval.paired import (

@@ -3,19 +3,16 @@
 The KV pool is sized from what the evaluation needs (one scoring batch, or a batch of generation prompts)
 instead of the serving default (85% of free GPU memory, which `--bisect`'s second engine would not find).
 Anything that goes wrong while loading becomes one `LlmoptError` line naming the model, so the CLI exits
-2. `free_memory` frees a dropped model before the next one loads, and `float32_notice` states what an upcast costs
-before it is paid.
+2; `float32_notice` states what an upcast costs before it is paid.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-import llmopt.native as native
 from llmopt.devices import resolve_device
 from llmopt.engine.config import EngineConfig
 from llmopt.engine.llm import LLM
@@ -88,12 +85,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def free_memory(device: torch.device) -> None:
-    """Hand back the memory of models no longer referenced (cycles included), before the next one loads."""
-    gc.collect()
-    native.trim_heap()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def float32_notice(model: str | None, dtype: str) -> str | None:

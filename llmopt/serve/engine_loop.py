@@ -131,7 +131,7 @@ class EngineLoop:
         self._unscheduled: set[str] = set()  # engine thread only: added, not yet admitted by the scheduler
         self._last_batch = 0
         self._need_step = False
-        self.engine: LLMEngine | None = None  # read-only facts (max_model_len, weights_dir) after `ready`
+        self.engine: LLMEngine | None = None  # read-only facts (max_model_len, weights_dir) after `ready`; None again once stopped
         self.ready = threading.Event()  # set when the engine is built and warm, or failed
         self.failure: BaseException | None = None
         self.active: set[str] = set()  # asyncio side: submitted and not yet finished
@@ -205,6 +205,9 @@ class EngineLoop:
         while True:
             try:
                 if not self._drain(block=not self._has_work()):
+                    # the thread owned the engine: drop it, so a stopped server (the recipe's serve smoke,
+                    # a test) gives back the weights and KV pool instead of holding them until exit
+                    self.engine = None
                     return
                 if self._has_work():
                     self._step()

@@ -113,3 +113,21 @@ def test_an_engine_that_cannot_start_stops_the_server_with_exit_2(tiny_llama, mo
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: the engine failed to start") and "too small" in err[-1]
+
+
+def test_a_stopped_server_gives_its_engine_back(tiny_llama):
+    """The recipe's serve smoke runs a server in-process and then the bench stage loads its own engine: once
+    the server has stopped, nothing may keep the first engine (its weights and KV pool) alive."""
+    import gc
+    import weakref
+
+    with serve(tiny_llama) as srv:
+        r = httpx.post(srv.v1 + "/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200
+        loop = srv.state.engine_loop
+        engine = weakref.ref(loop.engine)
+        assert engine() is not None
+    assert loop.engine is None
+    del srv, loop
+    gc.collect()
+    assert engine() is None, gc.get_referrers(engine())

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmopt.devices import free_memory
 from llmopt.errors import LlmoptError
 from llmopt.recipe.issues import Issue
 from llmopt.recipe.resolved import ResolvedRecipe
@@ -62,7 +63,8 @@ class ServeStage(Stage):
         port = sock.getsockname()[1]
         cfg = server_config(ctx.rr, host="127.0.0.1", port=port, log_level="warning")
         name = cfg.served_model_name or "recipe-model"
-        server = make_server(engine_config(ctx.rr, model), cfg, name)
+        ecfg = engine_config(ctx.rr, model)
+        server = make_server(ecfg, cfg, name)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="serve-smoke")
         base = f"http://127.0.0.1:{port}"
         headers = {"Authorization": f"Bearer {cfg.api_keys[0]}"} if cfg.api_keys else {}
@@ -70,7 +72,7 @@ class ServeStage(Stage):
         started = time.perf_counter()
         thread.start()
         try:
-            ready_s = _wait_ready(base, thread, started, server)
+            ready_s = _wait_ready(base, thread, started, server.state)
             t0 = time.perf_counter()
             resp = httpx.post(f"{base}/v1/completions", headers=headers, timeout=cfg.request_timeout_s,
                               json={"model": name, "prompt": SMOKE_PROMPT, "max_tokens": SMOKE_MAX_TOKENS,
@@ -80,6 +82,8 @@ class ServeStage(Stage):
             server.should_exit = True
             thread.join(60)
             sock.close()
+            del server
+            free_memory(ecfg.device)  # the next stage (bench) loads its own engine: this one must be gone first
         if resp.status_code != 200:
             raise LlmoptError(f"the server answered {resp.status_code} to the smoke request: {resp.text[:200]}")
         body = resp.json()
@@ -94,13 +98,13 @@ class ServeStage(Stage):
                                      "completion_tokens": usage.get("completion_tokens")})
 
 
-def _wait_ready(base: str, thread: threading.Thread, started: float, server: Any) -> float:
+def _wait_ready(base: str, thread: threading.Thread, started: float, state: Any) -> float:
     """Seconds until /health turned 200 (engine loaded and warmed up)."""
     import httpx
 
     while time.perf_counter() - started < READY_TIMEOUT_S:
         if not thread.is_alive():
-            why = server.state.fatal or "see the log above"
+            why = state.fatal or "see the log above"
             raise LlmoptError(f"the server stopped before it became ready: {why}")
         try:
             if httpx.get(f"{base}/health", timeout=5).status_code == 200:
