@@ -7,6 +7,9 @@ Nothing here starts a process or touches the network, so CI tests all of it (tes
 * `rows_from_report`: one `llmopt bench --json` report -> `Row`s; `aggregate`: median and spread over rounds.
 * `tensor_bytes_*`, `decode_limit`: bytes read per decoded token (weights + KV) over memory bandwidth.
 * `goals`, `markdown`: the verdicts and the Markdown tables; `replace_doc_section`: docs/BENCHMARKS.md.
+  A goal is a ratio between two servers, judged as `llmopt bench --ab` judges one (llmopt.bench.ab_stats):
+  mean over the interleaved rounds, paired by round, with a seeded bootstrap interval; it is met when the
+  interval's bound clears the target, "not shown" when the interval straddles it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from llmopt.bench.ab_stats import RatioEstimate, ratio_interval
 
 # ------------------------------------------------------------------------------------------ servers
 
@@ -217,12 +222,14 @@ def load_rows(path: Path, server: str, workload: str, round_: int) -> list[Row]:
 
 @dataclass(frozen=True)
 class Stat:
-    """Median over rounds and the spread: half the range, relative to the median."""
+    """Median over rounds and the spread: half the range, relative to the median; `by_round` keeps each
+    round's value, so that two servers' rounds can be paired for a ratio interval."""
 
     median: float
     lo: float
     hi: float
     n: int
+    by_round: tuple[tuple[int, float], ...] = ()
 
     @property
     def spread_pct(self) -> float:
@@ -233,11 +240,14 @@ class Stat:
         return f"{s} ±{self.spread_pct:.0f}%" if spread and self.n > 1 else s
 
 
-def stat(values: Iterable[float | None]) -> Stat | None:
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    if not vals:
+def stat(values: Iterable[float | None], rounds: Iterable[int] | None = None) -> Stat | None:
+    values = list(values)
+    rounds = list(range(1, len(values) + 1)) if rounds is None else list(rounds)
+    kept = [(r, float(v)) for r, v in zip(rounds, values, strict=True) if v is not None and math.isfinite(float(v))]
+    if not kept:
         return None
-    return Stat(statistics.median(vals), min(vals), max(vals), len(vals))
+    vals = [v for _, v in kept]
+    return Stat(statistics.median(vals), min(vals), max(vals), len(vals), tuple(kept))
 
 
 METRICS = ("output_throughput", "request_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms",
@@ -278,7 +288,7 @@ def aggregate(rows: Sequence[Row]) -> dict[tuple[str, str, int], Cell]:
             most[k] = max(most.get(k, 0), r.output_tokens)
     cells = {}
     for key, rs in groups.items():
-        stats = {m: stat(getattr(r, m) for r in rs) for m in METRICS}
+        stats = {m: stat((getattr(r, m) for r in rs), (r.round for r in rs)) for m in METRICS}
         toks = [r.output_tokens for r in rs]
         short = any(r.failed == 0 and r.output_tokens < most.get((r.workload, r.concurrency), 0) for r in rs)
         cells[key] = Cell(*key, stats=stats, rounds=len(rs), failed=sum(r.failed for r in rs), short=short,
@@ -368,51 +378,77 @@ class Goal:
     text: str
     measured: str
     met: bool | None  # None: not measured (a server missing)
+    shown: bool | None = None  # met with the interval's bound past the target (True), or only by its point
 
 
-def _med(cells: dict, server: str, workload: str, conc: int, metric: str) -> float | None:
-    c = cells.get((server, workload, conc))
-    s = c.get(metric) if c else None
-    return None if s is None else s.median
+def ratio(cells: dict, num: str, den: str, workload: str, conc: int, metric: str) -> RatioEstimate | None:
+    """num / den for one metric: mean over the rounds both servers ran, paired by round, with the interval that
+    `llmopt bench --ab` reports (servers are started in interleaved rounds, so a slow round slows both)."""
+    a, b = cells.get((den, workload, conc)), cells.get((num, workload, conc))
+    sa, sb = (a.get(metric) if a else None), (b.get(metric) if b else None)
+    if sa is None or sb is None:
+        return None
+    da, db = dict(sa.by_round), dict(sb.by_round)
+    common = sorted(set(da) & set(db))
+    if not common:
+        return None
+    est = ratio_interval([da[r] for r in common], [db[r] for r in common], paired=True)
+    return None if est.ratio is None else est
+
+
+def _judge(est: RatioEstimate, need: float, at_least: bool) -> tuple[bool, bool]:
+    """(met by the point estimate, shown by the interval: its low bound >= need, or its high bound <= need)."""
+    if at_least:
+        return est.ratio >= need, est.low is not None and est.low >= need
+    return est.ratio <= need, est.high is not None and est.high <= need
+
+
+def _txt(est: RatioEstimate) -> str:
+    if est.low is None or est.high is None:
+        return f"{est.ratio:.2f}x ({est.rounds} round{'s' if est.rounds != 1 else ''}, no interval)"
+    return f"{est.ratio:.2f}x [{est.low:.2f}, {est.high:.2f}]"
 
 
 def goals(cells: dict[tuple[str, str, int], Cell], sizes: Sizes) -> list[Goal]:
-    """The issue's targets, judged on medians at every matched precision measured."""
+    """The issue's targets at every matched precision measured, each a ratio of means over paired rounds with
+    its 95% bootstrap interval (`ratio`): met when the point reaches the target, shown when the interval does."""
     out: list[Goal] = []
     pairs = [("bf16", "llmopt-bf16", "llamacpp-bf16", "vllm-bf16"), ("int8", "llmopt-w8a16", "llamacpp-q8_0", None),
              ("int4", "llmopt-w4a16", "llamacpp-q4_0", "vllm-w4a16")]
+
+    def goal(text: str, checks: list[tuple[str, RatioEstimate | None, float, bool]]) -> Goal:
+        parts, mets, showns = [], [], []
+        for label, est, need, at_least in checks:
+            if est is None:
+                continue
+            met, shown = _judge(est, need, at_least)
+            parts.append(f"{label}{_txt(est)}")
+            mets.append(met)
+            showns.append(shown)
+        if not mets:
+            return Goal(text, "not measured", None)
+        return Goal(text, "; ".join(parts), all(mets), all(showns))
+
     for prec, ours, lcpp, vllm in pairs:
         for peer, need, name in ((lcpp, 2.0, "llama.cpp"), (vllm, 1.5, "vLLM CPU")):
             if peer is None:
                 continue
-            parts, oks = [], []
+            checks = []
             for c in sizes.concurrencies:
-                a, b = _med(cells, ours, "mixed", c, "output_throughput"), _med(cells, peer, "mixed", c,
-                                                                               "output_throughput")
-                if a is None or b is None or b == 0:
+                tput = ratio(cells, ours, peer, "mixed", c, "output_throughput")
+                if tput is None:
                     continue
-                ok = a / b >= need
-                txt = f"c{c} {a / b:.2f}x"
+                checks.append((f"c{c} ", tput, need, True))
                 if peer == lcpp:
-                    ta, tb = _med(cells, ours, "mixed", c, "ttft_p99_ms"), _med(cells, peer, "mixed", c, "ttft_p99_ms")
-                    if ta is not None and tb is not None:
-                        ok = ok and ta <= tb
-                        txt += f" (p99 TTFT {ta:.0f} vs {tb:.0f} ms)"
-                parts.append(txt)
-                oks.append(ok)
+                    checks.append((f"c{c} p99 TTFT ", ratio(cells, ours, peer, "mixed", c, "ttft_p99_ms"), 1.0, False))
             ttft = " with p99 TTFT no worse" if peer == lcpp else ""
-            out.append(Goal(f"{prec} mixed: output tok/s >= {need:g}x {name}{ttft}", "; ".join(parts) or "not measured",
-                            all(oks) if oks else None))
+            out.append(goal(f"{prec} mixed: output tok/s >= {need:g}x {name}{ttft}", checks))
         need = 1.2 if prec == "bf16" else 1.0
-        a, b = _med(cells, ours, "single", 1, "decode_tps"), _med(cells, lcpp, "single", 1, "decode_tps")
-        out.append(Goal(f"{prec} single-stream decode >= {need:g}x llama.cpp",
-                        f"{a:.1f} vs {b:.1f} tok/s = {a / b:.2f}x" if a and b else "not measured",
-                        (a / b >= need) if a and b else None))
+        out.append(goal(f"{prec} single-stream decode >= {need:g}x llama.cpp",
+                        [("", ratio(cells, ours, lcpp, "single", 1, "decode_tps"), need, True)]))
         c = sizes.prefix_concurrency
-        a, b = _med(cells, ours, "prefix", c, "ttft_p50_ms"), _med(cells, lcpp, "prefix", c, "ttft_p50_ms")
-        out.append(Goal(f"{prec} shared-prefix TTFT p50 <= llama.cpp's",
-                        f"{a:.0f} vs {b:.0f} ms" if a is not None and b is not None else "not measured",
-                        (a <= b) if a is not None and b is not None else None))
+        out.append(goal(f"{prec} shared-prefix TTFT p50 <= llama.cpp's",
+                        [("", ratio(cells, ours, lcpp, "prefix", c, "ttft_p50_ms"), 1.0, False)]))
     return out
 
 
@@ -479,10 +515,13 @@ def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], si
                              f"{lim.tokens_per_s:.0f} | {_fmt(dec)} | {'—' if share is None else f'{100 * share:.0f}%'} |")
     gl = goals(cells, sizes)
     if any(g.met is not None for g in gl):
-        lines += ["", "| goal | measured | met |", "|---|---|---|"]
+        lines += ["", "Goals: ours / the peer's, mean over paired interleaved rounds with the 95% bootstrap interval "
+                  "of `llmopt bench --ab` (expanded for few rounds); *met* by the point, *shown* when the interval "
+                  "clears the target too.", "", "| goal | measured | met |", "|---|---|---|"]
         for g in gl:
             if g.met is not None:
-                lines.append(f"| {g.text} | {g.measured} | {'yes' if g.met else '**no**'} |")
+                verdict = ("yes" if g.shown else "yes (not shown)") if g.met else "**no**"
+                lines.append(f"| {g.text} | {g.measured} | {verdict} |")
     if notes:
         lines += [""] + [f"* {n}" for n in notes]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,9 @@ int4: llmopt W4A16 g32 RTN / llama.cpp Q4_0 / vLLM CPU on the same W4A16 checkpo
 Fairness: every server gets the same threads (--threads, 2), binds loopback and runs alone (started, driven,
 stopped before the next); every server gets identical `llmopt bench --url` requests (same seeds, same warm-up
 before every level, ignore_eos sent to all: `--send-ignore-eos always`); the servers are started in rounds
-(A B C A B C ...), and the tables show the median over rounds and the spread (half the range). A cell whose
+(A B C A B C ...), and the tables show the median over rounds and the spread (half the range). Each goal is
+a ratio judged with `llmopt bench --ab`'s statistics: mean over the rounds, paired by round, with the seeded
+95% bootstrap interval, met by its point and *shown* when the interval clears the target. A cell whose
 server produced fewer output tokens than another on the same requests is flagged.
 
 Outputs in --out (default runs/peers): reports/<server>/r<round>-<job>.json (llmopt bench reports), logs/,

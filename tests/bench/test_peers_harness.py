@@ -329,3 +329,26 @@ def test_failures_anywhere_are_flagged_on_the_servers_row():
     rows += pp.rows_from_report(rep, "llamacpp-q4_0", "mixed", 1)
     md = pp.markdown(pp.aggregate(rows), ["llamacpp-q4_0"], pp.with_sizes(pp.FULL, concurrencies=(2, 8)))
     assert "| llamacpp-q4_0 ⚠2 failed | " in md and "60.0 (c8)" in md  # the peak level itself had none
+
+
+def test_goals_pair_rounds_and_show_their_interval():
+    """A goal is a ratio over interleaved rounds with the `bench --ab` interval: met by its point, shown only
+    when the interval clears the target too."""
+    sizes = pp.with_sizes(pp.FULL, concurrencies=(8,))
+
+    def cells(ours, peer):
+        return pp.aggregate(_rows("llmopt-bf16", "mixed", 8, [(t, 10, 100, 1) for t in ours])
+                            + _rows("llamacpp-bf16", "mixed", 8, [(t, 10, 200, 1) for t in peer]))
+
+    name = "bf16 mixed: output tok/s >= 2x llama.cpp with p99 TTFT no worse"
+    clear = {g.text: g for g in pp.goals(cells([250, 262, 241, 255], [100, 104, 97, 101]), sizes)}[name]
+    assert clear.met and clear.shown
+    assert "c8 2.51x [" in clear.measured and "p99 TTFT 0.50x" in clear.measured
+    # the same mean ratio 2.0 (point meets the target) with rounds too noisy to show it
+    edge = {g.text: g for g in pp.goals(cells([230, 170, 210, 190], [100, 100, 100, 100]), sizes)}[name]
+    assert edge.met and not edge.shown
+    md = pp.markdown(cells([230, 170, 210, 190], [100, 100, 100, 100]), ["llmopt-bf16", "llamacpp-bf16"], sizes)
+    assert "yes (not shown)" in md
+    # a peer round missing: only the rounds both servers ran are paired
+    est = pp.ratio(cells([200, 300], [100]), "llmopt-bf16", "llamacpp-bf16", "mixed", 8, "output_throughput")
+    assert est.rounds == 1 and est.ratio == 2.0 and est.low is None
