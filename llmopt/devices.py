@@ -27,5 +27,5 @@ def free_memory(device: torch.device | str | None = None) -> None:
     the collector for cycles, glibc's heap for freed host tensors, the caching allocator for CUDA ones."""
     gc.collect()
     native.trim_heap()
-    if device is not None and torch.device(device).type == "cuda":
+    if device is not None and resolve_device(str(device)).type == "cuda":
         torch.cuda.empty_cache()
