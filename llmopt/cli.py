@@ -21,6 +21,9 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
+THREADS_DEFAULT = "auto"  # llmopt.engine.threads.COMMAND_DEFAULT, without importing torch for --help
+THREADS_HELP = ("CPU threads: N, or auto (the cores other processes leave free, followed while running; "
+                "OpenMP threads on a core another process holds make decode several times slower).")
 err_console = Console(stderr=True)
 
 
@@ -89,13 +92,14 @@ def generate(
     dtype: str = typer.Option("auto", help="auto|float32|bfloat16|float16"),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
+    threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate one completion through the llmopt engine, streaming it to the terminal."""
     from llmopt.engine.llm import LLM, stream_text
     from llmopt.engine.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1)
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, num_threads=threads)
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     final = None
     for piece in stream_text(llm, prompt, params, chat=chat):
@@ -111,13 +115,15 @@ def generate(
     summary = {"text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": len(final.prompt_token_ids),
                "output_tokens": n, "ttft_ms": round(m.ttft * 1000, 1),
                "decode_tok_s": round((n - 1) / decode_s, 1) if decode_s > 0 else None,
-               "dtype": str(llm.engine.dtype).replace("torch.", ""), "device": str(llm.engine.device)}
+               "dtype": str(llm.engine.dtype).replace("torch.", ""), "device": str(llm.engine.device),
+               "threads": llm.engine.threads.threads}
     if as_json:
         _print_json(summary)
     else:
         console.out("")
         err_console.print(f"[dim]{n} tokens · finish {out.finish_reason} · TTFT {summary['ttft_ms']} ms · "
-                          f"decode {summary['decode_tok_s']} tok/s · {summary['dtype']} on {summary['device']}[/]")
+                          f"decode {summary['decode_tok_s']} tok/s · {summary['dtype']} on {summary['device']} · "
+                          f"{llm.engine.threads.describe()}[/]")
 
 
 @app.command()
@@ -152,6 +158,8 @@ def bench(
     kv_cache_dtype: Optional[str] = typer.Option(None, help="Engine: auto|int8", rich_help_panel="Engine"),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Engine: automatic prefix caching.", rich_help_panel="Engine"),
+    threads: Optional[str] = typer.Option(None, help=f"Engine: {THREADS_HELP} (default {THREADS_DEFAULT}).",
+                                          rich_help_panel="Engine"),
     workload: Optional[str] = typer.Option(None, help="random|prefix|jsonl|trace|conversation (default random; "
                                            "jsonl with --dataset; prefix for --scenario prefix-cache).",
                                            rich_help_panel="Workload"),
@@ -242,7 +250,8 @@ def bench(
         url=url, endpoint=endpoint, served_model=served_model, api_key=api_key, request_timeout=request_timeout,
         send_ignore_eos=send_ignore_eos, tokenizer=tokenizer, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-        kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching, workload=workload, input_len=input_len,
+        kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching, threads=threads, workload=workload,
+        input_len=input_len,
         output_len=output_len, num_prompts=num_prompts, prefix_len=prefix_len, num_prefixes=num_prefixes,
         suffix_len=suffix_len, dataset=dataset, seed=seed, ignore_eos=ignore_eos, users=users, turns=turns,
         message_len=message_len, think_time=think_time, trace_block_size=trace_block_size,
@@ -278,6 +287,7 @@ def serve(
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
+    threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",
                                        help="Plain eager torch on CPU: no compiled bf16/fp16 prefill kernels, "
                                        "no oneDNN-packed bf16/fp16 weights and none of our C kernels."),
@@ -349,7 +359,7 @@ def serve(
     engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                  kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                  enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
-                                 enforce_eager=enforce_eager,
+                                 enforce_eager=enforce_eager, num_threads=threads,
                                  speculative=(_speculative(speculative, num_speculative_tokens, draft_model)
                                               if speculative else None),
                                  **sizes)

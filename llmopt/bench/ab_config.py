@@ -33,6 +33,7 @@ SIDE_KEYS: dict[str, tuple[str, type]] = {
     "kv-cache-memory": ("kv_cache_memory", str),
     "kv-cache-dtype": ("kv_cache_dtype", str),
     "prefix-caching": ("prefix_caching", bool),
+    "threads": ("threads", str),
     "name": ("name", str),
 }
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}

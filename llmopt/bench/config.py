@@ -27,6 +27,7 @@ from llmopt.bench.trace_workload import MOONCAKE_BLOCK_SIZE, TraceWorkload
 from llmopt.bench.workload_spec import AnyWorkload
 from llmopt.bench.workloads import JsonlWorkload, PrefixWorkload, RandomWorkload, parse_length
 from llmopt.engine.config import EngineConfig
+from llmopt.engine.threads import COMMAND_DEFAULT
 from llmopt.errors import LlmoptError
 from llmopt.gates import Gate
 from llmopt.report.html import check_html_path
@@ -100,6 +101,7 @@ class BenchOptions(BaseModel):
     kv_cache_memory: str | None = None
     kv_cache_dtype: Literal["auto", "int8"] | None = None
     prefix_caching: bool = True
+    threads: str | None = None  # N or auto (llmopt.engine.threads); None: the engine's default
     # workload
     workload: Literal["random", "prefix", "jsonl", "trace", "conversation"] | None = None
     input_len: str = "512"
@@ -178,7 +180,7 @@ class BenchOptions(BaseModel):
         flags = {"--model": self.model, "--dtype": self.dtype, "--device": self.device,
                  "--max-num-seqs": self.max_num_seqs, "--max-num-batched-tokens": self.max_num_batched_tokens,
                  "--kv-cache-memory": self.kv_cache_memory, "--kv-cache-dtype": self.kv_cache_dtype,
-                 "--no-prefix-caching": None if self.prefix_caching else True}
+                 "--no-prefix-caching": None if self.prefix_caching else True, "--threads": self.threads}
         return [f for f, v in flags.items() if v is not None]
 
     def _http(self) -> HttpTargetConfig:
@@ -203,6 +205,9 @@ class BenchOptions(BaseModel):
                      "kv_cache_dtype"):
             if (v := getattr(self, name)) is not None:
                 args[name] = v
+        args["num_threads"] = COMMAND_DEFAULT if self.threads is None else self.threads
+        if self.threads not in (None, "auto") and not (self.threads.isdigit() and int(self.threads) >= 1):
+            raise LlmoptError(f"--threads must be a positive count or auto, got {self.threads!r}")
         for flag, n in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens",
                                                                 self.max_num_batched_tokens)):
             if n is not None and n < 1:

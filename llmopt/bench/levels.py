@@ -69,7 +69,8 @@ def engine_target_info(config: EngineConfig, engine: LLMEngine) -> TargetInfo:
 
     details = config.model_dump(mode="json")
     details.update(resolved_dtype=str(engine.dtype).removeprefix("torch."), resolved_device=str(engine.device),
-                   num_kv_blocks=engine.num_blocks, max_model_len=engine.max_model_len)
+                   num_kv_blocks=engine.num_blocks, max_model_len=engine.max_model_len,
+                   threads=engine.threads.threads)
     return TargetInfo(kind="offline", model=config.model or DEFAULT_MODEL, server="llmopt", engine=details)
 
 

@@ -178,6 +178,7 @@ class _EngineCache:
         self.console.print(f"[dim]loading {config.model or 'the embedded model'} into the engine ...[/]")
         self.engine = LLMEngine(config)
         self.config = config
+        self.console.print(f"[dim]engine on {self.engine.device}, {self.engine.threads.describe()}[/]")
         return self.engine
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from llmopt.engine.hybrid_block_manager import HybridBlockManager
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.structured_output import StructuredOutputCompiler
+from llmopt.engine.threads import ThreadPolicy
 from llmopt.errors import LlmoptError
 from llmopt.layers.attention import GroupedKVCache, PagedKVCache, get_backend
 from llmopt.loading.formats import kv_cache_scales
@@ -48,11 +49,11 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     draft_runner: ModelRunner | None  # speculative method "draft": the draft model over its own pool
+    threads: ThreadPolicy
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = ThreadPolicy(config.num_threads)
     torch.manual_seed(config.seed)
     resolved = resolve_model(config.model)
     s = resolved.spec
@@ -89,7 +90,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     draft_runner = None if draft is None else ModelRunner(
         draft, attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype), attn)
     return EngineParts(resolved, s, device, dtype, model, wdir, tokenizer, eos, structured, kv_cache,
-                       kv_bytes, num_blocks, max_model_len, block_manager, scheduler, runner, draft_runner)
+                       kv_bytes, num_blocks, max_model_len, block_manager, scheduler, runner, draft_runner, threads)
 
 
 def _kv_pool(c: EngineConfig, s: ModelSpec, device: torch.device, attn, dtype: torch.dtype, kv_dtype: str,

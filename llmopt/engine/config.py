@@ -30,8 +30,23 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
-    num_threads: int | None = Field(None, ge=1)
+    # CPU threads: a count, "auto" (the cores other processes leave free, followed while running:
+    # llmopt.engine.threads), or None to keep the process's torch setting
+    num_threads: int | Literal["auto"] | None = None
     speculative: SpeculativeConfig | None = None  # a dict such as {"method": "ngram"} is accepted
+
+    @field_validator("num_threads", mode="before")
+    @classmethod
+    def _threads(cls, v):
+        if v is None or v == "auto":
+            return v
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"threads must be a positive count or auto, got {v!r}") from None
+        if isinstance(v, bool) or n < 1 or (isinstance(v, float) and v != n):
+            raise ValueError(f"threads must be a positive count or auto, got {v!r}")
+        return n
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

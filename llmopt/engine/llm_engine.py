@@ -39,6 +39,7 @@ class LLMEngine:
         self.max_model_len = p.max_model_len
         self.block_manager, self.scheduler, self.runner = p.block_manager, p.scheduler, p.runner
         self.draft_runner: ModelRunner | None = p.draft_runner
+        self.threads = p.threads  # CPU threads; `auto` follows the cores other processes leave free
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.spec_config: SpeculativeConfig | None = config.speculative
         self.spec_enabled = self.spec_config is not None  # servers turn it off under load
@@ -131,6 +132,7 @@ class LLMEngine:
         return max(0, sched.max_num_seqs - held), self.block_manager.num_free_blocks
 
     def step(self) -> list[RequestOutput]:
+        self.threads.tick()
         t0 = time.perf_counter()
         self._expire_deadlines(t0)
         spec = self.speculator

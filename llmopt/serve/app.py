@@ -74,7 +74,9 @@ def build_app(state: ServerState, on_fatal: Callable[[], None] | None = None) ->
                 on_fatal()
             return
         state.ready = True
-        log.info("ready: serving %s", state.model_name)
+        eng = state.engine_loop.engine
+        log.info("ready: serving %s on %s, %s", state.model_name, eng.device if eng else "?",
+                 eng.threads.describe() if eng else "?")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

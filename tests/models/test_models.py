@@ -105,14 +105,18 @@ def test_default_alias_is_smollm2():
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "gpt2"}))
+    errors = []
     for args in (["vram-plan", str(tmp_path / "nope")], ["vram-plan", str(cfg)],
                  ["generate", str(tmp_path / "nope"), "-p", "hi"],
-                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--dtype", "f8"]):
+                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--dtype", "f8"],
+                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--threads", "0"]):
         r = subprocess.run([sys.executable, "-m", "llmopt", *args], capture_output=True, text=True)
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "invalid dtype" in r.stderr  # the engine config refuses it before looking for the model
+        errors.append(r.stderr)
+    # the engine config refuses these before looking for the model
+    assert "invalid dtype" in errors[-2] and "positive count or auto" in errors[-1]
 
 
 def test_cli_version_and_help():
@@ -124,10 +128,11 @@ def test_cli_version_and_help():
 
 def test_cli_generate_json(tiny_llama):
     r = subprocess.run([sys.executable, "-m", "llmopt", "generate", str(tiny_llama), "-p", "The quick",
-                        "--max-tokens", "5", "--json"], capture_output=True, text=True)
+                        "--max-tokens", "5", "--json", "--threads", "1"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["output_tokens"] <= 5 and out["finish_reason"] in ("stop", "length")
+    assert out["threads"] == 1
 
 
 @pytest.mark.parametrize("model_type,arch,bias,qk_norm", [

@@ -1,0 +1,126 @@
+"""How many CPU threads the engine's matmuls and kernels run on: a fixed count, or `auto`.
+
+Why `auto`: an OpenMP parallel region ends at a barrier where every thread waits for the slowest. A
+thread that shares its core with another busy process gets that core in scheduler slices of
+milliseconds, and every region of a decode step (hundreds per token) waits for it: with one of two
+cores busy elsewhere, decode fell to 17% of its quiet speed (issue #31; llama.cpp falls as far). The
+same step on the cores nobody else is using keeps the share those cores can give. So `auto` counts the
+cores other processes keep busy (from /proc/stat, less this process's own time) and runs on the rest,
+looking again about once a second between engine steps, so a neighbour that comes or goes is followed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Threads = int | Literal["auto"] | None  # None: leave torch's setting as it is
+COMMAND_DEFAULT = "auto"  # what generate / serve / bench run with unless --threads says otherwise
+RECHECK_S = 1.0  # how often `auto` looks at the other processes' load, at most
+BUSY_CORE = 0.5  # a core counts as taken when other processes used more than this share of it
+
+
+def _read_stat() -> tuple[int, int, int] | None:
+    """(all CPU time, busy CPU time, this process's CPU time) in clock ticks since boot, or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(fields)
+    idle = fields[3] + fields[4]  # idle + iowait; steal counts as busy: a hypervisor's neighbour holds the core
+    return total, total - idle, int(own[11]) + int(own[12])  # utime + stime
+
+
+class CpuLoad:
+    """Cores' worth of CPU time that other processes used between two readings."""
+
+    def __init__(self, cpus: int | None = None):
+        self.cpus = cpus or os.cpu_count() or 1
+        self._last = _read_stat()
+
+    def others(self) -> float | None:
+        now = _read_stat()
+        last, self._last = self._last, now
+        if now is None or last is None or now[0] <= last[0]:
+            return None
+        d_total, d_busy, d_own = now[0] - last[0], now[1] - last[1], now[2] - last[2]
+        return max(0.0, (d_busy - d_own) / d_total * self.cpus)
+
+
+_TORCH_DEFAULT = torch.get_num_threads()  # at import, before any engine changed it: OMP_NUM_THREADS or the cores
+
+
+def default_threads() -> int:
+    """The most threads `auto` uses: OMP_NUM_THREADS when set (now), else torch's own default, the
+    physical cores it may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) >= 1 else _TORCH_DEFAULT
+
+
+def free_cores(others: float, most: int) -> int:
+    """Cores left when others use `others` cores' worth of time: at least one, at most `most`."""
+    taken = math.floor(others + (1 - BUSY_CORE))  # 0.4 busy -> 0 taken, 0.6 -> 1, 1.0 -> 1, 1.6 -> 2
+    return max(1, min(most, most - taken))
+
+
+class ThreadPolicy:
+    """Sets torch's thread count at start and, for `auto`, follows the free cores between steps (`tick`)."""
+
+    def __init__(self, threads: Threads, load: CpuLoad | None = None, clock=time.monotonic,
+                 most: int | None = None):
+        self.auto = threads == "auto"
+        self.fixed = threads is not None  # None: the process's setting, never touched
+        self.most = most or default_threads()
+        self._clock = clock
+        self._load = load
+        self._last = clock()
+        if threads is None:  # as the process has it (a caller's torch.set_num_threads included)
+            self.threads = torch.get_num_threads()
+            return
+        if self.auto:
+            if load is None:
+                self._load = CpuLoad()
+                time.sleep(0.2)  # a first reading over a short window
+            self.threads = self._pick(self.most)
+        else:
+            self.threads = int(threads)
+        torch.set_num_threads(self.threads)
+
+    def _pick(self, current: int) -> int:
+        assert self._load is not None
+        others = self._load.others()
+        return current if others is None else free_cores(others, self.most)
+
+    def tick(self) -> None:
+        """Between engine steps: put back this engine's count if another engine in the process changed
+        torch's (an A/B of two thread settings); with `auto`, at most once per RECHECK_S, move to the
+        cores now free."""
+        if not self.fixed:
+            return
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if not self.auto:
+            return
+        now = self._clock()
+        if now - self._last < RECHECK_S:
+            return
+        self._last = now
+        n = self._pick(self.threads)
+        if n != self.threads:
+            log.info("threads: %d -> %d (other processes keep %d of %d cores busy)", self.threads, n,
+                     self.most - n, self.most)
+            self.threads = n
+            torch.set_num_threads(n)
+
+    def describe(self) -> str:
+        return f"{self.threads} thread{'s' if self.threads != 1 else ''}" + (
+            f" (auto: the free cores of {self.most})" if self.auto else "")
