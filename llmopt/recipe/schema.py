@@ -49,7 +49,7 @@ RUNNER_FIELDS: dict[str, frozenset[str]] = {
         # the target is the run's own model, in-process, with serve.engine's settings
         "url", "endpoint", "served_model", "api_key", "request_timeout", "send_ignore_eos", "tokenizer", "model",
         "dtype", "device",
-        "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype", "prefix_caching",
+        "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype", "prefix_caching", "threads",
         # outputs go to the run directory
         "json_path", "markdown_path", "plot_path", "html_path", "progress",
         # an A/B needs two targets; a recipe has one (CI.md gates a regression with `llmopt bench --ab`)
