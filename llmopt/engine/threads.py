@@ -28,27 +28,46 @@ RECHECK_S = 1.0  # how often `auto` looks at the other processes' load, at most
 BUSY_CORE = 0.5  # a core counts as taken when other processes used more than this share of it
 
 
-def _read_stat() -> tuple[int, int, int] | None:
-    """(all CPU time, busy CPU time, this process's CPU time) in clock ticks since boot, or None off Linux."""
+def _allowed_cpus() -> set[int] | None:
     try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def _read_stat(cpus: set[int] | None) -> tuple[int, int, int] | None:
+    """(all CPU time, busy CPU time) over `cpus` (None: every CPU) and this process's CPU time, in clock
+    ticks since boot; None off Linux. Only the CPUs this process may run on count: a neighbour on a core
+    outside its affinity mask takes nothing from it."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        total = busy = 0
+        for line in lines:
+            name, *rest = line.split()
+            if not name.startswith("cpu"):
+                break
+            if (cpus is None and name != "cpu") or (cpus is not None and (name == "cpu" or int(name[3:]) not in cpus)):
+                continue
+            fields = [int(x) for x in rest[:8]]
+            total += sum(fields)
+            busy += sum(fields) - fields[3] - fields[4]  # less idle + iowait; steal is busy: a neighbour VM's
+        return total, busy, int(own[11]) + int(own[12])  # utime + stime
     except (OSError, ValueError, IndexError):
         return None
-    total = sum(fields)
-    idle = fields[3] + fields[4]  # idle + iowait; steal counts as busy: a hypervisor's neighbour holds the core
-    return total, total - idle, int(own[11]) + int(own[12])  # utime + stime
 
 
 class CpuLoad:
-    """Cores' worth of CPU time that other processes used between two readings."""
+    """Cores' worth of CPU time that other processes used between two readings, on the CPUs this process
+    may run on."""
 
-    def __init__(self, cpus: int | None = None):
-        self.cpus = cpus or os.cpu_count() or 1
-        self._last = _read_stat()
+    def __init__(self):
+        self._cpus = _allowed_cpus()
+        self.cpus = len(self._cpus) if self._cpus else (os.cpu_count() or 1)
+        self._last = _read_stat(self._cpus)
 
     def others(self) -> float | None:
-        now = _read_stat()
+        now = _read_stat(self._cpus)
         last, self._last = self._last, now
         if now is None or last is None or now[0] <= last[0]:
             return None
