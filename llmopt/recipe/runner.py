@@ -24,6 +24,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from llmopt.devices import free_memory
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, public_mode, write_json_atomic, write_text_atomic
 from llmopt.recipe.hashing import changed_parts, stage_key, tree_fingerprint
@@ -200,10 +201,15 @@ def _write_run_files(plan: _Plan, req: RunRequest) -> None:
 def _run_stage(plan: _Plan, stage: Stage, key: tuple[str, dict[str, str]], ctx: StageContext, why: str
                ) -> tuple[StageReport, StageRecord]:
     t0 = time.perf_counter()
-    with atomic_directory(plan.run_dir / stage.name, overwrite=True) as tmp:
-        outcome = stage.run(ctx, tmp)
-        for p in [tmp, *tmp.rglob("*")]:
-            public_mode(p)
+    try:
+        with atomic_directory(plan.run_dir / stage.name, overwrite=True) as tmp:
+            outcome = stage.run(ctx, tmp)
+            for p in [tmp, *tmp.rglob("*")]:
+                public_mode(p)
+    finally:
+        # a stage's models (eval's two engines, the serve smoke's) can sit in reference cycles; collect them
+        # before the next stage loads its own, or a 7B run holds two models at once on a 24 GiB machine
+        free_memory("auto")
     duration = time.perf_counter() - t0
     gates = [GateRecord.of(g) for g in outcome.gates]
     record = StageRecord(key=key[0], key_parts=key[1], artifact_hash=tree_fingerprint(plan.run_dir / stage.name),

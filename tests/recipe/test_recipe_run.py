@@ -323,3 +323,25 @@ def test_a_second_run_on_the_same_folder_is_refused_while_the_first_runs(tmp_pat
         holder.wait()
     report = run_recipe(RunRequest(recipe=recipe, out=run_dir, stages="vram_plan"), quiet())
     assert report.stages[0].status == "ran" and (run_dir / "keep.txt").read_text() == "mine"
+
+
+def test_no_engine_outlives_its_stage(tiny_llama, tmp_path):
+    """Each stage's models are gone when the next stage starts: on a 24 GiB machine a 7B run cannot hold
+    two at once (the serve smoke's engine outlived its server and bench loaded a second one). Automatic
+    collection is off, so only what the stages and the runner free counts."""
+    import gc
+
+    from llmopt.engine.llm_engine import LLMEngine
+
+    recipe = make_recipe(tmp_path, tiny_llama)
+    gc.collect()
+    before = sum(type(o) is LLMEngine for o in gc.get_objects())
+    gc.disable()  # no automatic collection may hide a stage that left its engine in a cycle
+    try:
+        report = run_recipe(RunRequest(recipe=recipe, out=tmp_path / "run", stages="calibrate,quantize,eval,serve"),
+                            quiet())
+        alive = sum(type(o) is LLMEngine for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert report.exit_code == 0, report.to_json()
+    assert alive == before

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmopt.devices import free_memory
 from llmopt.errors import LlmoptError
 from llmopt.recipe.issues import Issue
 from llmopt.recipe.resolved import ResolvedRecipe
@@ -63,8 +62,7 @@ class ServeStage(Stage):
         port = sock.getsockname()[1]
         cfg = server_config(ctx.rr, host="127.0.0.1", port=port, log_level="warning")
         name = cfg.served_model_name or "recipe-model"
-        ecfg = engine_config(ctx.rr, model)
-        server = make_server(ecfg, cfg, name)
+        server = make_server(engine_config(ctx.rr, model), cfg, name)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="serve-smoke")
         base = f"http://127.0.0.1:{port}"
         headers = {"Authorization": f"Bearer {cfg.api_keys[0]}"} if cfg.api_keys else {}
@@ -82,8 +80,6 @@ class ServeStage(Stage):
             server.should_exit = True
             thread.join(60)
             sock.close()
-            del server
-            free_memory(ecfg.device)  # the next stage (bench) loads its own engine: this one must be gone first
         if resp.status_code != 200:
             raise LlmoptError(f"the server answered {resp.status_code} to the smoke request: {resp.text[:200]}")
         body = resp.json()
