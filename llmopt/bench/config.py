@@ -26,7 +26,7 @@ from llmopt.bench.scenarios import DEFAULT_STATIC_BATCH_SIZE, Scenario, Scenario
 from llmopt.bench.trace_workload import MOONCAKE_BLOCK_SIZE, TraceWorkload
 from llmopt.bench.workload_spec import AnyWorkload
 from llmopt.bench.workloads import JsonlWorkload, PrefixWorkload, RandomWorkload, parse_length
-from llmopt.engine.config import EngineConfig
+from llmopt.engine.config import EngineConfig, parse_threads
 from llmopt.engine.threads import COMMAND_DEFAULT
 from llmopt.errors import LlmoptError
 from llmopt.gates import Gate
@@ -205,9 +205,10 @@ class BenchOptions(BaseModel):
                      "kv_cache_dtype"):
             if (v := getattr(self, name)) is not None:
                 args[name] = v
-        args["num_threads"] = COMMAND_DEFAULT if self.threads is None else self.threads
-        if self.threads not in (None, "auto") and not (self.threads.isdigit() and int(self.threads) >= 1):
-            raise LlmoptError(f"--threads must be a positive count or auto, got {self.threads!r}")
+        try:
+            args["num_threads"] = COMMAND_DEFAULT if self.threads is None else parse_threads(self.threads)
+        except ValueError as e:
+            raise LlmoptError(f"--{e}") from None
         for flag, n in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens",
                                                                 self.max_num_batched_tokens)):
             if n is not None and n < 1:

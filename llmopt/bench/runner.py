@@ -14,7 +14,6 @@ sweep after the current level; whatever finished is still printed and written, a
 from __future__ import annotations
 
 import asyncio
-import gc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -184,14 +183,12 @@ class _EngineCache:
     def close(self) -> None:
         if self.engine is None:
             return
+        from llmopt.devices import free_memory
+
         device = self.engine.device
         self.engine = None
         self.config = None
-        gc.collect()
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
+        free_memory(device)
 
 
 def _variant_config(base: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:

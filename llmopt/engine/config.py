@@ -10,6 +10,19 @@ from llmopt.engine.spec_decode import SpeculativeConfig
 from llmopt.units import parse_bytes
 
 
+def parse_threads(v: object) -> int | str | None:
+    """A thread count as configs and flags give it (3, "3", "auto", None); ValueError otherwise."""
+    if v is None or v == "auto":
+        return v
+    try:
+        n = int(v)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        n = 0
+    if isinstance(v, bool) or n < 1 or (isinstance(v, float) and v != n):
+        raise ValueError(f"threads must be a positive count or auto, got {v!r}")
+    return n
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -38,15 +51,7 @@ class EngineConfig(BaseModel):
     @field_validator("num_threads", mode="before")
     @classmethod
     def _threads(cls, v):
-        if v is None or v == "auto":
-            return v
-        try:
-            n = int(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"threads must be a positive count or auto, got {v!r}") from None
-        if isinstance(v, bool) or n < 1 or (isinstance(v, float) and v != n):
-            raise ValueError(f"threads must be a positive count or auto, got {v!r}")
-        return n
+        return parse_threads(v)
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -47,7 +47,8 @@ def _read_stat(cpus: set[int] | None) -> tuple[int, int, int] | None:
             name, *rest = line.split()
             if not name.startswith("cpu"):
                 break
-            if (cpus is None and name != "cpu") or (cpus is not None and (name == "cpu" or int(name[3:]) not in cpus)):
+            wanted = name == "cpu" if cpus is None else name != "cpu" and int(name[3:]) in cpus
+            if not wanted:
                 continue
             fields = [int(x) for x in rest[:8]]
             total += sum(fields)
@@ -97,7 +98,7 @@ class ThreadPolicy:
     def __init__(self, threads: Threads, load: CpuLoad | None = None, clock=time.monotonic,
                  most: int | None = None):
         self.auto = threads == "auto"
-        self.fixed = threads is not None  # None: the process's setting, never touched
+        self.sets = threads is not None  # None: the process's setting, never touched
         self.most = most or default_threads()
         self._clock = clock
         self._load = load
@@ -123,7 +124,7 @@ class ThreadPolicy:
         """Between engine steps: put back this engine's count if another engine in the process changed
         torch's (an A/B of two thread settings); with `auto`, at most once per RECHECK_S, move to the
         cores now free."""
-        if not self.fixed:
+        if not self.sets:
             return
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)

@@ -85,8 +85,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-
-
 def float32_notice(model: str | None, dtype: str) -> str | None:
     """One line saying what float32 costs when it upcasts a smaller checkpoint, or None."""
     from llmopt.models.loader import parse_dtype
