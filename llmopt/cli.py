@@ -421,7 +421,12 @@ def calibrate(
 def quantize(
     ctx: typer.Context,
     model: Optional[str] = typer.Argument(None, help="Alias (smollm2-135m), HF model dir or .gguf."),
-    scheme: str = typer.Option(..., "--scheme", help="w8a16|w4a16|fp8|w8a8"),
+    scheme: str = typer.Option(..., "--scheme", help="w8a16|w4a16|fp8|w8a8, or auto: each linear's precision "
+                               "chosen under --target-bits."),
+    target_bits: Optional[float] = typer.Option(None, "--target-bits", help="--scheme auto: average stored bits "
+                                                "per weight of the quantized linears (scales included), e.g. 4.5."),
+    candidates: Optional[str] = typer.Option(None, "--candidates", help="--scheme auto: comma list of what a "
+                                             "linear may become (default w4a16-g128,w4a16-g64,w4a16-g32,w8a16,bf16)."),
     method: str = typer.Option("rtn", help="rtn|gptq|awq"),
     group_size: Optional[int] = typer.Option(None, help="Columns per scale; -1 per channel. Default: w4a16 128 "
                                              "(64 or 32 when 128 does not divide the model), others per channel."),
@@ -463,7 +468,8 @@ def quantize(
                          calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
                          kv_cache=kv_cache, format=fmt, output=Path(output), overwrite=overwrite, device=device,
-                         max_shard_size=max_shard_size)
+                         max_shard_size=max_shard_size, target_bits=target_bits,
+                         **({"candidates": [c.strip() for c in candidates.split(",")]} if candidates else {}))
     report = quantize_model(cfg, err_console)
     if as_json:
         _print_json(report.model_dump(mode="json"))

@@ -3,7 +3,7 @@
 Quantized fused weights are split back into HF projections by rows (see `rows`); nothing else is lost:
 the embeddings, final norm and lm_head are copied from the source as it stores them, and the norms
 inside layers (with any AWQ/SmoothQuant folding applied) and ignored linears are written in float32,
-the quantizer's working dtype.
+the quantizer's working dtype (a linear `--scheme auto` leaves float: in bfloat16, as its budget counts it).
 config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the int4/int8 kernels then run
 on bf16 activations, their fast path; `--dtype float32` still loads every stored tensor exactly.
 
@@ -52,6 +52,7 @@ def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str]
     """Every tensor not replaced by quantized ones whose parameter name `within` takes, under HF names (fused
     float linears split by rows)."""
     quantized = {t.module for t in targets if t.scheme is not None}
+    cast = {t.module: t.store_dtype for t in targets if t.store_dtype is not None}
     linears = dict(iter_linears(model))
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():  # tied lm_head is deduplicated by named_parameters
@@ -62,7 +63,7 @@ def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str]
             continue
         if mod_name in linears:
             for hf, (lo, hi) in hf_parts(model, mod_name, linears[mod_name]).items():
-                out[f"{hf}.{kind}"] = p.data[lo:hi].contiguous().cpu()
+                out[f"{hf}.{kind}"] = p.data[lo:hi].to(cast.get(mod_name, p.dtype)).contiguous().cpu()
         else:
             out[type(model).hf_module_name(name)] = p.data.contiguous().cpu()
     return out

@@ -19,9 +19,10 @@ from llmopt.calibrate.stats import SavedStats
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
 from llmopt.models.shards import parse_shard_size
+from llmopt.quant.auto import AutoPlan, SearchOptions, measured_kl, search
 from llmopt.quant.deploy import deployment
 from llmopt.quant.export import CheckpointExport, quantization_config
-from llmopt.quant.recipe import QuantizeConfig
+from llmopt.quant.recipe import AUTO, QuantizeConfig
 from llmopt.quant.report import ModuleReport, QuantReport
 from llmopt.quant.sequential import QuantizedModule, SequentialOptions, SequentialQuantizer
 
@@ -51,9 +52,27 @@ def _calibration(cfg: QuantizeConfig, resolved, directory: Path, tokenizer,
 
 def _check_data_given(cfg: QuantizeConfig) -> None:
     if cfg.needs_data and cfg.calib is None and not cfg.calib_data:
-        why = "GPTQ/AWQ" if cfg.method != "rtn" else ("SmoothQuant (w8a8)" if cfg.scheme == "w8a8" else "KV-cache scales")
+        why = ("--scheme auto" if cfg.scheme == AUTO else "GPTQ/AWQ" if cfg.method != "rtn"
+               else "SmoothQuant (w8a8)" if cfg.scheme == "w8a8" else "KV-cache scales")
         raise LlmoptError(f"{why} needs calibration data: pass --calib DIR (from `llmopt calibrate`) or "
                           "--calib-data PATH")
+
+
+def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, console: Console) -> AutoPlan:
+    """`--scheme auto`: measure every candidate of every linear and choose under `--target-bits`."""
+    from llmopt.models.loader import release
+
+    opts = SearchOptions(method=cfg.method, candidates=cfg.candidates, symmetric=cfg.symmetric,
+                         forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
+                         act_order=bool(cfg.act_order), static_groups=cfg.static_groups,
+                         batch_tokens=cfg.batch_tokens)
+    assert cfg.target_bits is not None
+    with layer_progress(console, "measuring each linear's candidates", len(model.layers)) as advance:
+        plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance)
+    counts = ", ".join(f"{n} {c}" for c, n in sorted(plan.summary()["choices"].items()))
+    console.print(f"[cyan]auto:[/] {plan.bits:.3f} bits per weight (target {cfg.target_bits:g}): {counts}; "
+                  f"predicted KL {plan.predicted_kl:.4g}", highlight=False)
+    return plan
 
 
 def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> QuantReport:
@@ -110,6 +129,11 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
         fill_module(model, checkpoint, prefix, device)
         load_s += time.perf_counter() - t
 
+    plan = None
+    if cfg.scheme == AUTO:
+        assert windows is not None and cfg.target_bits is not None
+        plan = _search(cfg, model, targets, windows, load, console)
+        targets = plan.apply(targets)
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
                                   static_groups=cfg.static_groups)
@@ -126,19 +150,24 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             load("embed_tokens")  # embed_batches embeds the windows before layer 0; freed once they are
         runner = SequentialQuantizer(model, targets, opts, windows, observe_kv=cfg.kv_cache is not None,
                                      load_layer=lambda i: load(f"layers.{i}"), layer_done=layer_done,
-                                     after_embedding=lambda: release(model, "embed_tokens"))
+                                     after_embedding=lambda: release(model, "embed_tokens"),
+                                     keep_final=plan.sample_tokens if plan else 0)
         with layer_progress(console, f"quantizing ({cfg.scheme}, {cfg.method})", resolved.spec.num_layers) as advance:
             result = runner.run(progress=advance)
         for note in result.notes:
             console.print(f"[yellow]warning:[/] {note}", highlight=False)
         notes = notes + result.notes
+        if plan is not None:
+            assert result.final_stream is not None
+            plan.measured_kl = measured_kl(model, plan, result.final_stream, load, lambda p: release(model, p))
         kv = None
         if cfg.kv_cache is not None:
             assert result.k_absmax is not None and result.v_absmax is not None
             kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
         t0 = time.perf_counter()
         shards = export.finish(checkpoint, directory, resolved.config, resolved.spec.tie_word_embeddings, kv)
-        timings = {"load weights": load_s, "sample calibration data": sample_s, **result.timings,
+        timings = {"load weights": load_s, "sample calibration data": sample_s,
+                   **({"choose precision (auto)": plan.seconds} if plan else {}), **result.timings,
                    "write checkpoint": write_s + time.perf_counter() - t0}
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
@@ -149,6 +178,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
             ignored=[hf for t in targets if t.scheme is None for hf in t.parts],
             timings_s={k: round(v, 3) for k, v in timings.items()},
             bytes_before=bytes_before, bytes_after=sum(f.stat().st_size for f in shards), notes=notes,
+            auto=plan.summary() if plan else None,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
                                   kv_cache=cfg.kv_cache is not None, moe=resolved.spec.is_moe))
         report.write(tmp / REPORT)

@@ -21,6 +21,9 @@ from llmopt.quant.scheme import QuantScheme
 
 Preset = Literal["w8a16", "w4a16", "fp8", "w8a8"]
 PRESETS: tuple[str, ...] = ("w8a16", "w4a16", "fp8", "w8a8")
+AUTO = "auto"  # `--scheme auto --target-bits B`: each linear's precision chosen under a budget (quant/auto.py)
+# what --scheme auto chooses among by default: int4 at three group sizes, int8 per channel, or float
+AUTO_CANDIDATES: tuple[str, ...] = ("w4a16-g128", "w4a16-g64", "w4a16-g32", "w8a16", "bf16")
 Method = Literal["rtn", "gptq", "awq"]
 Format = Literal["gptq", "compressed-tensors"]
 
@@ -59,6 +62,17 @@ def make_scheme(preset: str, group_size: int | None, symmetric: bool) -> ModuleS
     return ModuleScheme(preset=preset, weights=QuantScheme(bits=bits, group_size=gs, symmetric=symmetric))
 
 
+def candidate_scheme(name: str, symmetric: bool = True) -> ModuleScheme | None:
+    """A `--candidates` entry's scheme: `w4a16-gN` (int4, groups of N), `w8a16`, `fp8`, or `bf16` (None: the
+    linear stays float, stored in bfloat16)."""
+    if name == "bf16":
+        return None
+    preset, _, group = name.partition("-g")
+    if preset not in ("w4a16", "w8a16", "fp8") or (group and not group.isdigit()):
+        raise ValueError(f"unknown candidate {name!r}; use w4a16-gN, w8a16, fp8 or bf16")
+    return make_scheme(preset, int(group) if group else None, symmetric if preset != "fp8" else True)
+
+
 def _compile(pattern: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
@@ -72,7 +86,9 @@ class QuantizeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    scheme: Preset
+    scheme: Literal["w8a16", "w4a16", "fp8", "w8a8", "auto"]  # a Preset, or auto
+    target_bits: float | None = Field(None, gt=0)  # --scheme auto: average stored bits per weight
+    candidates: list[str] = list(AUTO_CANDIDATES)  # --scheme auto: what each linear may become
     method: Method = "rtn"
     group_size: int | None = None  # None: the preset default (w4a16: 128, or 64/32 when 128 does not divide)
     symmetric: bool = True
@@ -110,6 +126,15 @@ class QuantizeConfig(BaseModel):
             raise ValueError(str(e)) from None
         return v
 
+    @field_validator("candidates")
+    @classmethod
+    def _candidates(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("--candidates is empty")
+        for name in v:
+            candidate_scheme(name)
+        return v
+
     @field_validator("ignore")
     @classmethod
     def _ignore(cls, v: list[str]) -> list[str]:
@@ -132,6 +157,18 @@ class QuantizeConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> QuantizeConfig:
         self.main_scheme()  # preset/group/sym combination
+        if self.scheme == AUTO:
+            if self.target_bits is None:
+                raise ValueError("--scheme auto needs --target-bits B (average stored bits per weight, e.g. 4.5)")
+            if self.format == "gptq":
+                raise ValueError("the gptq format holds one scheme for the whole model; --scheme auto writes "
+                                 "--format compressed-tensors")
+            if self.override:
+                raise ValueError("--scheme auto chooses every linear's scheme; use --ignore to keep one float")
+            for name in self.candidates:
+                candidate_scheme(name, self.symmetric)
+        elif self.target_bits is not None:
+            raise ValueError("--target-bits applies to --scheme auto only")
         if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
         if self.scheme == "fp8" and self.method != "rtn":
@@ -158,11 +195,16 @@ class QuantizeConfig(BaseModel):
     @property
     def needs_data(self) -> bool:
         """GPTQ, AWQ, SmoothQuant and KV-cache scales all need calibration activations."""
-        return self.method in ("gptq", "awq") or self.scheme == "w8a8" or self.kv_cache is not None or any(
+        return self.method in ("gptq", "awq") or self.scheme in ("w8a8", AUTO) or self.kv_cache is not None or any(
             item.rpartition("=")[2] == "w8a8" for item in self.override)
 
+    @property
+    def main_preset(self) -> str:
+        """The preset of every linear no --override names (`auto`: int4, a placeholder until the search)."""
+        return "w4a16" if self.scheme == AUTO else self.scheme
+
     def main_scheme(self, group_size: int | None = None) -> ModuleScheme:
-        return make_scheme(self.scheme, self.group_size if group_size is None else group_size, self.symmetric)
+        return make_scheme(self.main_preset, self.group_size if group_size is None else group_size, self.symmetric)
 
     def ignore_patterns(self) -> list[re.Pattern[str]]:
         return [_compile(p) for p in self.ignore]

@@ -53,6 +53,7 @@ class QuantReport(BaseModel):
     bytes_after: int
     notes: list[str] = []
     deployment: dict[str, Any] = {}
+    auto: dict[str, Any] | None = None  # --scheme auto: the budget, each linear's choice, predicted/measured KL
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n")
@@ -71,6 +72,12 @@ class QuantReport(BaseModel):
         if errs:
             t.add_row("output error", f"mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f} (relative, calib. inputs)")
         t.add_row("weight error", f"mean {sum(werrs) / len(werrs):.4f}, max {max(werrs):.4f} (relative)")
+        if self.auto:
+            a = self.auto
+            counts = ", ".join(f"{n} {c}" for c, n in sorted(a["choices"].items()))
+            t.add_row("auto precision", f"{a['bits']:.3f} bits/weight (target {a['target_bits']:g}): {counts}")
+            t.add_row("auto KL", f"predicted {a['predicted_kl']:.4g}, measured {a['measured_kl']:.4g} "
+                      f"(nats/token, {a['sample_tokens']} calibration tokens)")
         for stage, s in self.timings_s.items():
             t.add_row(f"time: {stage}", f"{s:.1f} s")
         if self.deployment:

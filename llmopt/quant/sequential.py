@@ -112,6 +112,7 @@ class SequentialResult:
     v_absmax: torch.Tensor | None
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # e.g. experts calibrated on every token
+    final_stream: torch.Tensor | None = None  # [keep_final, hidden] the last layer's residual stream, first tokens
 
 
 class _Capture:
@@ -154,17 +155,20 @@ class SequentialQuantizer:
                  windows: torch.Tensor | None, observe_kv: bool = False,
                  load_layer: Callable[[int], None] | None = None,
                  layer_done: Callable[[int, dict[str, QuantizedModule]], None] | None = None,
-                 after_embedding: Callable[[], None] | None = None) -> None:
+                 after_embedding: Callable[[], None] | None = None, keep_final: int = 0) -> None:
         """Streamed (`load_layer` and `layer_done` given): layer i's weights are filled by `load_layer(i)` just
         before it is processed, and its quantized modules go to `layer_done(i, modules)` (which may free the
         layer) instead of the result, so one layer at a time is in memory; `after_embedding()` runs once the
-        calibration windows are embedded (the embedding may be freed then)."""
+        calibration windows are embedded (the embedding may be freed then). `keep_final`: how many of the first
+        calibration tokens' final residual stream (the quantized model's) to return (`--scheme auto` measures
+        its KL from it)."""
         self.model = model
         self.load_layer, self.layer_done, self.after_embedding = load_layer, layer_done, after_embedding
         self.targets = {t.module: t for t in targets}
         self.opt = options
         self.windows = windows
         self.observe_kv = observe_kv
+        self.keep_final = keep_final
         self.timings: dict[str, float] = {}
         self.notes: list[str] = []
 
@@ -218,7 +222,16 @@ class SequentialQuantizer:
             if progress:
                 progress(i)
         kv = (cache.k_absmax, cache.v_absmax) if batches is not None and self.observe_kv else (None, None)
-        return SequentialResult(modules, kv[0], kv[1], self.timings, self.notes)
+        final = None
+        if batches is not None and self.keep_final:
+            parts, n = [], 0
+            for b in batches:
+                if n >= self.keep_final:
+                    break
+                parts.append((b.hidden if b.residual is None else b.hidden + b.residual)[: self.keep_final - n].float())
+                n += parts[-1].shape[0]
+            final = torch.cat(parts)
+        return SequentialResult(modules, kv[0], kv[1], self.timings, self.notes, final)
 
     def _capture(self, layer: nn.Module, layer_targets: dict[str, Target], batches,
                  layer_name: str = "layer") -> dict[str, _Capture]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from llmopt.errors import LlmoptError
@@ -32,6 +33,7 @@ class Target:
     in_features: int
     scheme: ModuleScheme | None
     kept_float: bool = False  # a router (`float_linears`): float in every format, not a user's --ignore
+    store_dtype: torch.dtype | None = None  # unquantized: the dtype the checkpoint stores it in (None: as is)
 
 
 def hf_parts(model: nn.Module, name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -71,7 +73,7 @@ def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], l
     rules = cfg.override_rules()
     widths = [m.in_features for n, m in linears if n not in UNQUANTIZED]
     w4_group, note = _w4_group(cfg, widths)
-    if note and (cfg.scheme == "w4a16" or any(p == "w4a16" for _, p in rules)):
+    if note and cfg.scheme != "auto" and (cfg.main_preset == "w4a16" or any(p == "w4a16" for _, p in rules)):
         notes.append(note)
 
     def scheme_for(preset: str, main: bool) -> ModuleScheme:
@@ -80,7 +82,7 @@ def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], l
             gs = w4_group
         return make_scheme(preset, gs, cfg.symmetric)
 
-    main = scheme_for(cfg.scheme, True)
+    main = scheme_for(cfg.main_preset, True)
     float_res = [re.compile(p) for p in getattr(type(model), "float_linears", ())]
     targets = []
     for name, mod in linears:
@@ -94,7 +96,7 @@ def plan_targets(model: nn.Module, cfg: QuantizeConfig) -> tuple[list[Target], l
             s: ModuleScheme | None = main
             for pattern, preset in rules:
                 if pattern.search(hf):
-                    s = scheme_for(preset, preset == cfg.scheme)
+                    s = scheme_for(preset, preset == cfg.main_preset)
             if name in UNQUANTIZED:
                 if s is not main:
                     raise LlmoptError(f"quantizing {hf} is not supported: it stays in the model dtype")

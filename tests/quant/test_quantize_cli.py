@@ -44,6 +44,15 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "w4a16", "--method", "gptq", "--act-order", "--no-static-groups", "--calib-data", "x.txt"],
      "needs --format gptq"),
     (["--scheme", "w4a16", "--mse"], "--mse applies to --method gptq only"),
+    (["--scheme", "auto"], "--scheme auto needs --target-bits"),
+    (["--scheme", "w4a16", "--target-bits", "4.5"], "--target-bits applies to --scheme auto only"),
+    (["--scheme", "auto", "--target-bits", "5", "--format", "gptq"], "one scheme for the whole model"),
+    (["--scheme", "auto", "--target-bits", "5", "--override", "mlp=w8a16"], "chooses every linear's scheme"),
+    (["--scheme", "auto", "--target-bits", "5", "--candidates", "w3a16"], "unknown candidate 'w3a16'"),
+    (["--scheme", "auto", "--target-bits", "5"], "--scheme auto needs calibration data"),
+    (["--scheme", "auto", "--target-bits", "4", "--calib-data", str(KB)], "below the cheapest candidates"),
+    (["--scheme", "auto", "--target-bits", "5", "--candidates", "w4a16-g48", "--calib-data", str(KB)],
+     "add w8a16 or bf16"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_llama, tmp_path, monkeypatch, capsys, args, msg):
     out = tmp_path / "q"

@@ -89,6 +89,10 @@ CASES = [
          "cannot parse memory size"),
     Case("library-cross-field-check", sub("  method: rtn", "  act_order: true"), "11: quantize.act_order",
          "--act-order applies to --method gptq only"),
+    Case("auto-without-budget", sub("  scheme: w8a16", "  scheme: auto"), "10: quantize.scheme",
+         "--scheme auto needs --target-bits"),
+    Case("auto-without-calibration", lambda t: sub("  scheme: w8a16", "  scheme: auto\n  target_bits: 6")(
+        drop_lines(5, 6, 7, 8)(t)), "6: quantize.scheme", "scheme: auto needs calibration data"),
     Case("gptq-without-calibration", lambda t: sub("  method: rtn", "  method: gptq")(drop_lines(5, 6, 7, 8)(t)),
          "7: quantize.method", "needs calibration data: add a `calibration` section"),
     Case("bad-gate-expression", sub('"ppl_increase_pct<=5"', '"ppl <<< 3"'), "16: eval.gates[0]",

@@ -32,9 +32,10 @@ class QuantizeStage(Stage):
         cfg, issues = build(rr, ("quantize",), model_fields(type(s)),
                             lambda: quantize_config(rr, rr.base_dir / ".placeholder", calib))
         if cfg is not None and cfg.needs_data and calib is None:
-            what = "GPTQ/AWQ" if cfg.method != "rtn" else ("SmoothQuant (w8a8)" if cfg.scheme == "w8a8"
-                                                          else "KV-cache scales")
-            key = "method" if cfg.method != "rtn" else ("scheme" if cfg.scheme == "w8a8" else "kv_cache")
+            what = ("scheme: auto" if cfg.scheme == "auto" else "GPTQ/AWQ" if cfg.method != "rtn"
+                    else "SmoothQuant (w8a8)" if cfg.scheme == "w8a8" else "KV-cache scales")
+            key = ("scheme" if cfg.scheme == "auto" else "method" if cfg.method != "rtn"
+                   else "scheme" if cfg.scheme == "w8a8" else "kv_cache")
             issues.append(rr.issue(("quantize", key), f"{what} needs calibration data: add a `calibration` "
                                    "section to the recipe"))
         return issues
@@ -59,6 +60,8 @@ class QuantizeStage(Stage):
             "compression": round(report.bytes_before / max(report.bytes_after, 1), 3),
             "weight_rel_err_mean": sum(werr) / len(werr) if werr else None,
         }
+        if report.auto:
+            metrics.update({f"auto_{k}": report.auto[k] for k in ("bits", "predicted_kl", "measured_kl")})
         if oerr:
             metrics["output_rel_err_mean"] = sum(oerr) / len(oerr)
             metrics["output_rel_err_max"] = max(oerr)

@@ -38,7 +38,15 @@ def plan_options(rr: ResolvedRecipe) -> tuple[VramPlanOptions, dict[str, str]]:
     kw["gpu_memory_bytes"] = parse_bytes(s.gpu_memory)
     inferred: dict[str, str] = {}
     q = rr.recipe.quantize
-    if str(kw["weight_dtype"]).lower() == "auto" and q is not None:
+    if str(kw["weight_dtype"]).lower() == "auto" and q is not None and q.scheme == "auto":
+        # each linear's precision is chosen at quantize time: plan the narrowest dtype the budget cannot exceed
+        bits = q.target_bits or 16.0
+        kw["weight_dtype"] = "int4" if bits <= 4.5 else "int8" if bits <= 8.25 else "bf16"
+        if kw["weight_dtype"] == "int4" and kw["group_size"] is None:
+            kw["group_size"] = 32  # 4.5 bits per weight, the most an int4 choice costs
+        inferred["weight_dtype"] = (f"{kw['weight_dtype']} (at least quantize.target_bits {bits:g} of "
+                                    "quantize.scheme auto)")
+    elif str(kw["weight_dtype"]).lower() == "auto" and q is not None:
         kw["weight_dtype"] = SCHEME_WEIGHT_DTYPE[q.scheme]
         inferred["weight_dtype"] = f"{kw['weight_dtype']} (from quantize.scheme {q.scheme})"
         if kw["group_size"] is None and q.group_size is not None and q.scheme in ("w8a16", "w4a16"):

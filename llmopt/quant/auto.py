@@ -1,0 +1,343 @@
+"""`--scheme auto --target-bits B`: each linear's precision chosen under a bits-per-weight budget (issue #32).
+
+Streamed like `quantize` itself, one decoder layer in memory at a time:
+
+1. Damage. On a sample of the calibration windows (at most `SAMPLE_TOKENS` tokens) every decoder layer
+   runs in the forward dtype. For each linear it quantizes and each candidate scheme, that linear alone
+   is quantized (by RTN; with `--method gptq`, by GPTQ on the sample's Hessian), the layer runs again, and
+   the per-token squared change of the residual stream the layer writes, ‖δ_t‖², is kept. The unquantized
+   stream then goes on to the next layer.
+2. Prediction. The final norm and head turn that stream into next-token distributions, and the trace
+   of each token's Fisher information with respect to the final residual stream, tr F_t, is estimated from
+   the gradients of sampled tokens' log-probabilities. A perturbation that reaches the end along the
+   residual path, in no preferred direction, costs KL_t ≈ ½ ‖δ_t‖² tr F_t / d (second order in δ).
+   Averaged over tokens, that is each (linear, candidate)'s predicted KL; summed over linears, the
+   model's.
+3. Allocation. Under the budget (the average stored bits per weight over the searched linears, scales
+   and zero points included), a greedy multiple-choice knapsack over each linear's lower convex hull of
+   (bits, predicted KL) takes the upgrades that remove the most predicted KL per bit first.
+
+`quantize` then runs as usual with every linear's chosen scheme (the export writes one config group per
+scheme) and measures the real KL of the result against step 1's stream on the same sample
+(`measured_kl`), which the report sets beside the prediction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.calibrate.forward import CalibBatch, InputHook, KVObserver, embed_batches, layer_copy
+from llmopt.errors import LlmoptError
+from llmopt.group_size import is_valid_group_size
+from llmopt.models.base import CausalLM
+from llmopt.quant.fp8 import fp8_quantize
+from llmopt.quant.gptq import GPTQ, gptq_quantize
+from llmopt.quant.qtensor import QuantizedWeight
+from llmopt.quant.recipe import ModuleScheme, candidate_scheme
+from llmopt.quant.rtn import rtn_quantize
+from llmopt.quant.targets import Target
+
+SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on (the first windows)
+FISHER_SAMPLES = 4  # sampled next tokens per position for tr F_t
+FLOAT = "bf16"  # the candidate that leaves a linear unquantized (stored in bfloat16)
+_CHUNK = 256  # tokens per head evaluation (a 262k vocabulary: 256 MB of float32 logits)
+
+
+def stored_bits(scheme: ModuleScheme | None, in_features: int) -> float:
+    """Bits a weight costs in the checkpoint: the code, plus its group's scale (and zero point) shared out."""
+    if scheme is None:
+        return 16.0
+    w = scheme.weights
+    group = in_features if w.per_channel else w.group_size
+    scale_bits = torch.finfo(w.torch_scale_dtype).bits if w.kind == "int" else 32
+    zero_bits = 0 if w.symmetric else w.bits
+    return w.bits + (scale_bits + zero_bits) / group
+
+
+@dataclass
+class Option:
+    """One candidate for one linear: its scheme (None: float), bits per weight and predicted KL."""
+
+    candidate: str
+    scheme: ModuleScheme | None
+    bits: float
+    kl: float = 0.0
+
+
+@dataclass
+class AutoPlan:
+    """The search's result: every searched linear's options and choice, and what the choice predicts."""
+
+    target_bits: float
+    options: dict[str, list[Option]]  # our module name -> its options
+    weights: dict[str, int]  # our module name -> number of weights
+    choice: dict[str, Option] = field(default_factory=dict)
+    sample_tokens: int = 0
+    seconds: float = 0.0
+    reference: torch.Tensor | None = None  # [T, hidden] the unquantized final residual stream of the sample
+    measured_kl: float | None = None
+
+    @property
+    def bits(self) -> float:
+        total = sum(self.weights.values())
+        return sum(self.choice[m].bits * n for m, n in self.weights.items()) / total
+
+    @property
+    def predicted_kl(self) -> float:
+        return sum(o.kl for o in self.choice.values())
+
+    def apply(self, targets: list[Target]) -> list[Target]:
+        """`targets` with each searched linear's chosen scheme (a float choice: unquantized, stored in bf16)."""
+        out = []
+        for t in targets:
+            o = self.choice.get(t.module)
+            if o is None:
+                out.append(t)
+            else:
+                out.append(replace(t, scheme=o.scheme, store_dtype=torch.bfloat16 if o.scheme is None else None))
+        return out
+
+    def summary(self) -> dict:
+        counts: dict[str, int] = {}
+        for o in self.choice.values():
+            counts[o.candidate] = counts.get(o.candidate, 0) + 1
+        return {
+            "target_bits": self.target_bits, "bits": round(self.bits, 4), "sample_tokens": self.sample_tokens,
+            "predicted_kl": self.predicted_kl, "measured_kl": self.measured_kl, "choices": counts,
+            "seconds": round(self.seconds, 2),
+            "modules": [{"module": m, "choice": o.candidate, "bits": round(o.bits, 4), "predicted_kl": o.kl,
+                         "options": {x.candidate: x.kl for x in self.options[m]}}
+                        for m, o in self.choice.items()],
+        }
+
+
+def candidate_options(target: Target, candidates: list[str], symmetric: bool) -> list[Option]:
+    """The candidates valid for this linear (a group size must divide its input width)."""
+    out = []
+    for name in candidates:
+        scheme = candidate_scheme(name, symmetric)
+        if scheme is not None and not scheme.weights.per_channel and not is_valid_group_size(
+                [target.in_features], scheme.weights.group_size):
+            continue
+        out.append(Option(name, scheme, stored_bits(scheme, target.in_features)))
+    return out
+
+
+def allocate(options: dict[str, list[Option]], weights: dict[str, int], target_bits: float) -> dict[str, Option]:
+    """The choice per linear with the least total predicted KL whose average bits stay within `target_bits`:
+    greedy over each linear's lower convex hull of (bits, KL), best KL saved per bit first."""
+    total = sum(weights.values())
+    budget = target_bits * total
+    hulls = {m: _lower_hull(opts) for m, opts in options.items()}
+    at = {m: 0 for m in hulls}
+    spent = sum(h[0].bits * weights[m] for m, h in hulls.items())
+    if spent > budget * (1 + 1e-9):
+        raise LlmoptError(f"--target-bits {target_bits:g} is below the cheapest candidates' "
+                          f"{spent / total:.3f} bits per weight; raise it or add a smaller candidate")
+    heap: list[tuple[float, str]] = []
+
+    def push(m: str) -> None:
+        h, i = hulls[m], at[m]
+        if i + 1 < len(h):
+            gain = (h[i].kl - h[i + 1].kl) / ((h[i + 1].bits - h[i].bits) * weights[m])
+            heapq.heappush(heap, (-gain, m))
+
+    for m in hulls:
+        push(m)
+    while heap:
+        _, m = heapq.heappop(heap)
+        h, i = hulls[m], at[m]
+        cost = (h[i + 1].bits - h[i].bits) * weights[m]
+        if spent + cost > budget * (1 + 1e-9):
+            continue  # further steps of this linear cost more still
+        spent += cost
+        at[m] = i + 1
+        push(m)
+    return {m: hulls[m][i] for m, i in at.items()}
+
+
+def _lower_hull(opts: list[Option]) -> list[Option]:
+    """Options by increasing bits whose KL strictly falls, keeping only the convex ones."""
+    pts = []
+    for o in sorted(opts, key=lambda o: (o.bits, o.kl)):
+        if pts and o.kl >= pts[-1].kl:
+            continue  # more bits and no less damage
+        while len(pts) >= 2:
+            a, b = pts[-2], pts[-1]
+            # drop b when the slope a->o is at least as steep as a->b (b is above the segment)
+            if (b.kl - a.kl) * (o.bits - a.bits) >= (o.kl - a.kl) * (b.bits - a.bits):
+                pts.pop()
+            else:
+                break
+        pts.append(o)
+    return pts
+
+
+def _quantize(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | None, damp: float,
+              block_size: int, act_order: bool, static_groups: bool) -> QuantizedWeight:
+    ws = scheme.weights
+    if ws.kind == "fp8":
+        return fp8_quantize(w, ws)
+    if hessian is not None:
+        return gptq_quantize(w, hessian.clone(), ws, damp=damp, block_size=block_size, act_order=act_order,
+                             static_groups=act_order and static_groups)[0]
+    return rtn_quantize(w, ws)
+
+
+def _stream(out: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """The residual stream a layer leaves (our layers return the pre-norm add's two halves)."""
+    hidden, residual = out
+    return hidden if residual is None else hidden + residual
+
+
+def _run(layer, b: CalibBatch, cache: KVObserver) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return layer(b.rope, b.hidden, b.residual, cache, b.meta)
+
+
+@dataclass
+class SearchOptions:
+    method: str
+    candidates: list[str]
+    symmetric: bool
+    forward_dtype: torch.dtype
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = True
+    static_groups: bool = True
+    batch_tokens: int = 4096
+
+
+@torch.no_grad()
+def search(model: CausalLM, targets: list[Target], target_bits: float, windows: torch.Tensor,
+           opts: SearchOptions, load: Callable[[str], None], release: Callable[[str], None],
+           progress: Callable[..., None] | None = None) -> AutoPlan:
+    """Steps 1-3 of the module doc over `model` (built empty; `load(prefix)` / `release(prefix)` fill and free
+    one module), for the `targets` that carry a scheme; returns the plan to `apply`."""
+    t0 = time.perf_counter()
+    searched = [t for t in targets if t.scheme is not None]
+    options = {t.module: candidate_options(t, opts.candidates, opts.symmetric) for t in searched}
+    missing = [t for t in searched if not options[t.module]]
+    if missing:
+        raise LlmoptError(f"no candidate's group size divides the input width {missing[0].in_features} of "
+                          f"{next(iter(missing[0].parts))}; add w8a16 or bf16 to --candidates")
+    # shapes are known on the meta device, so an impossible budget fails before any measuring
+    weights = {t.module: model.get_submodule(t.module).weight.numel() for t in searched}
+    allocate(options, weights, target_bits)
+    sample = windows[: max(1, SAMPLE_TOKENS // windows.shape[1])]
+    load("embed_tokens")
+    batches = embed_batches(model, sample, max(1, opts.batch_tokens // sample.shape[1]), opts.forward_dtype)
+    release("embed_tokens")
+    cache = KVObserver(len(model.layers), model.spec.num_kv_heads)
+    cache.enabled = False
+    sq_err: dict[tuple[str, str], torch.Tensor] = {}  # (module, candidate) -> [T] ‖δ_t‖²
+    gptq = opts.method == "gptq"
+    for i, layer in enumerate(model.layers):
+        load(f"layers.{i}")
+        prefix = f"layers.{i}."
+        mine = {t.module[len(prefix):]: t for t in searched if t.module.startswith(prefix)}
+        fwd = layer_copy(layer, opts.forward_dtype)
+        dev = next(fwd.parameters()).device
+        hessians = {rel: GPTQ(t.in_features, dev, opts.forward_dtype) for rel, t in mine.items()} if gptq else {}
+        with InputHook({rel: fwd.get_submodule(rel) for rel in hessians},
+                       lambda rel, x, hs=hessians: hs[rel].add_batch(x)).installed():
+            ref = [_run(fwd, b, cache) for b in batches]
+        ref_stream = [_stream(r) for r in ref]
+        for rel, t in mine.items():
+            lin = fwd.get_submodule(rel)
+            kept = lin.weight.data
+            w = layer.get_submodule(rel).weight.data.float()
+            h = hessians.pop(rel).H if gptq else None
+            for o in options[t.module]:
+                if o.scheme is None:
+                    continue
+                qw = _quantize(w, o.scheme, h, opts.damp, opts.block_size, opts.act_order, opts.static_groups)
+                lin.weight.data = qw.dequantize(opts.forward_dtype)
+                sq_err[(t.module, o.candidate)] = torch.cat([
+                    (_stream(_run(fwd, b, cache)).float() - s.float()).pow(2).sum(-1)
+                    for b, s in zip(batches, ref_stream, strict=True)]).cpu()
+            lin.weight.data = kept
+            del w, h
+        for b, (hidden, residual) in zip(batches, ref, strict=True):
+            b.hidden, b.residual = hidden, residual
+        del fwd, ref, ref_stream
+        release(f"layers.{i}")
+        if progress:
+            progress(i)
+    reference = torch.cat([_stream((b.hidden, b.residual)) for b in batches]).float()
+    del batches
+    fisher = _fisher_trace(model, reference, load, release) / reference.shape[-1]  # [T] tr F_t / d
+    for (m, cand), err in sq_err.items():
+        for o in options[m]:
+            if o.candidate == cand:
+                o.kl = 0.5 * float((err * fisher).mean())
+    plan = AutoPlan(target_bits, options, weights, sample_tokens=int(reference.shape[0]), reference=reference)
+    plan.choice = allocate(options, weights, target_bits)
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+def _head(model: CausalLM, load: Callable[[str], None]) -> list[str]:
+    """Fill the final norm and the head (a tied head is the embedding); returns what to release."""
+    parts = ["norm", "embed_tokens" if model.spec.tie_word_embeddings else "lm_head"]
+    for p in parts:
+        load(p)
+    return parts
+
+
+def _log_probs(model: CausalLM, stream: torch.Tensor) -> torch.Tensor:
+    h = model.norm(stream.to(model.norm.weight.dtype))
+    return F.log_softmax(model.compute_logits(h).float(), dim=-1)
+
+
+def _fisher_trace(model: CausalLM, stream: torch.Tensor, load: Callable[[str], None],
+                  release: Callable[[str], None]) -> torch.Tensor:
+    """tr F_t of log p(· | stream_t) with respect to stream_t, per token: E_{y~p}‖∇ log p_y‖², estimated from
+    `FISHER_SAMPLES` sampled y (a fixed seed)."""
+    parts = _head(model, load)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    try:
+        for lo in range(0, stream.shape[0], _CHUNK):
+            s = stream[lo:lo + _CHUNK].detach().clone().requires_grad_(True)
+            with torch.enable_grad():
+                logp = _log_probs(model, s)
+                ys = torch.multinomial(logp.detach().exp().cpu(), FISHER_SAMPLES, replacement=True,
+                                       generator=gen).to(logp.device)
+                total = torch.zeros(s.shape[0], device=s.device)
+                for k in range(FISHER_SAMPLES):
+                    (g,) = torch.autograd.grad(logp.gather(1, ys[:, k:k + 1]).sum(), s,
+                                               retain_graph=k + 1 < FISHER_SAMPLES)
+                    total += g.float().pow(2).sum(-1)
+            out.append((total / FISHER_SAMPLES).cpu())
+    finally:
+        for p in parts:
+            release(p)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def measured_kl(model: CausalLM, plan: AutoPlan, final: torch.Tensor, load: Callable[[str], None],
+                release: Callable[[str], None]) -> float:
+    """Mean KL(unquantized ‖ quantized) per token on the sample, from the two final residual streams."""
+    assert plan.reference is not None
+    parts = _head(model, load)
+    try:
+        total = 0.0
+        n = plan.reference.shape[0]
+        for lo in range(0, n, _CHUNK):
+            p = _log_probs(model, plan.reference[lo:lo + _CHUNK])
+            q = _log_probs(model, final[lo:lo + _CHUNK].float())
+            total += float((p.exp() * (p - q)).sum())
+    finally:
+        for p in parts:
+            release(p)
+    if not math.isfinite(total):
+        raise LlmoptError("the quantized model's KL on the calibration sample is not finite")
+    return total / n

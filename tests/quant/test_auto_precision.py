@@ -1,0 +1,86 @@
+"""`--scheme auto --target-bits B` (issue #32): the budget allocation, the bits it counts, and the mixed
+checkpoint it writes, which our engine and transformers load to the same logits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from llmopt import LLM
+from llmopt.errors import LlmoptError
+from llmopt.quant.auto import Option, _lower_hull, allocate, stored_bits
+from llmopt.quant.recipe import candidate_scheme
+from tests.quant._pipeline_helpers import assert_transformers_loads_export, calib_options, quantize_tiny
+
+
+def _opts(*points: tuple[str, float, float]) -> list[Option]:
+    return [Option(name, None, bits, kl) for name, bits, kl in points]
+
+
+def test_stored_bits_count_scales_and_zero_points():
+    assert stored_bits(candidate_scheme("w4a16-g32"), 576) == 4.5
+    assert stored_bits(candidate_scheme("w4a16-g128"), 1536) == 4.125
+    assert stored_bits(candidate_scheme("w4a16-g32", symmetric=False), 576) == 4 + 20 / 32
+    assert stored_bits(candidate_scheme("w8a16"), 64) == 8.25
+    assert stored_bits(candidate_scheme("bf16"), 64) == 16
+
+
+def test_the_hull_drops_dominated_and_concave_options():
+    opts = _opts(("a", 4.125, 1.0), ("b", 4.5, 0.2), ("c", 4.25, 0.9), ("d", 8.0, 0.25), ("e", 16.0, 0.0))
+    # c saves little for its bits (above the a-b segment), d costs more than b and damages more
+    assert [o.candidate for o in _lower_hull(opts)] == ["a", "b", "e"]
+
+
+def test_the_budget_goes_where_it_removes_the_most_damage():
+    options = {"sensitive": _opts(("w4", 4.5, 10.0), ("w8", 8.25, 0.1)),
+               "robust": _opts(("w4", 4.5, 0.2), ("w8", 8.25, 0.1))}
+    weights = {"sensitive": 100, "robust": 100}
+    choice = allocate(options, weights, target_bits=(4.5 + 8.25) / 2)
+    assert choice["sensitive"].candidate == "w8" and choice["robust"].candidate == "w4"
+    # more budget never predicts more damage, and the average never passes the budget
+    last = math.inf
+    for b in (4.5, 5.0, 6.0, 6.375, 7.0, 8.25, 9.0):
+        c = allocate(options, weights, b)
+        assert sum(c[m].bits * n for m, n in weights.items()) / 200 <= b + 1e-9
+        kl = sum(o.kl for o in c.values())
+        assert kl <= last
+        last = kl
+    assert last == pytest.approx(0.2)
+
+
+def test_a_budget_below_every_candidate_is_refused():
+    with pytest.raises(LlmoptError, match="below the cheapest candidates' 4.500 bits"):
+        allocate({"m": _opts(("w4", 4.5, 1.0))}, {"m": 10}, 4.0)
+
+
+def test_auto_writes_a_mixed_checkpoint_that_loads_the_same_everywhere(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "auto"
+    report, modules = quantize_tiny(monkeypatch, tiny_llama, out, scheme="auto", target_bits=10.0,
+                                    candidates=["w4a16-g32", "w8a16", "bf16"], **calib_options())
+    auto = report.auto
+    assert auto is not None and auto["bits"] <= 10.0
+    assert len(auto["modules"]) == 8 and len(auto["choices"]) >= 2
+    assert math.isfinite(auto["measured_kl"]) and auto["measured_kl"] >= 0 and auto["predicted_kl"] > 0
+    chosen = {m["module"]: m["choice"] for m in auto["modules"]}
+    assert {qm.target.module for qm in modules.values()} == {m for m, c in chosen.items() if c != "bf16"}
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert len(qcfg["config_groups"]) == len(set(chosen.values()) - {"bf16"})  # one group per scheme
+    assert "bf16" in chosen.values() and sorted(qcfg["ignore"]) == sorted(report.ignored)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as st:
+        for hf in [n for n in report.ignored if ".layers." in n]:  # a linear left float: in bf16, as counted
+            assert st.get_tensor(f"{hf}.weight").dtype == torch.bfloat16, hf
+    llm = LLM(str(out), dtype="float32", device="cpu")
+    assert_transformers_loads_export(out, llm, modules)
+
+
+def test_more_bits_measure_less_damage(tiny_llama, tmp_path, monkeypatch):
+    kls = []
+    for bits in (4.5, 8.25):
+        report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / str(bits), scheme="auto", target_bits=bits,
+                                  candidates=["w4a16-g32", "w8a16"], method="gptq", **calib_options())
+        kls.append((report.auto["predicted_kl"], report.auto["measured_kl"]))
+    assert kls[1][0] < kls[0][0] and kls[1][1] < kls[0][1]
