@@ -427,6 +427,13 @@ def quantize(
                                                 "per weight of the quantized linears (scales included), e.g. 4.5."),
     candidates: Optional[str] = typer.Option(None, "--candidates", help="--scheme auto: comma list of what a "
                                              "linear may become (default w4a16-g128,w4a16-g64,w4a16-g32,w8a16,bf16)."),
+    gate: list[str] = typer.Option([], "--gate", help="--scheme auto: the smallest checkpoint that passes this eval "
+                                   "gate on --eval-data (e.g. ppl_increase_pct<=3); repeatable."),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="--gate: held-out text (.txt, .jsonl) to "
+                                            "score each budget on, against the source model."),
+    eval_seq_len: int = typer.Option(512, "--eval-seq-len", help="--gate: tokens per perplexity window."),
+    eval_max_tokens: Optional[int] = typer.Option(None, "--eval-max-tokens", help="--gate: only the first N "
+                                                  "tokens of --eval-data."),
     method: str = typer.Option("rtn", help="rtn|gptq|awq"),
     group_size: Optional[int] = typer.Option(None, help="Columns per scale; -1 per channel. Default: w4a16 128 "
                                              "(64 or 32 when 128 does not divide the model), others per channel."),
@@ -459,8 +466,8 @@ def quantize(
     """Quantize a model (RTN, GPTQ, AWQ, SmoothQuant W8A8, FP8) into a GPTQ or compressed-tensors checkpoint."""
     from pathlib import Path
 
-    from llmopt.quant.pipeline import quantize_model
     from llmopt.quant.recipe import QuantizeConfig
+    from llmopt.tune.gate_search import quantize as quantize_model
 
     _one_flag_per_source("--calib-data", calib_data, model, ctx.args)
     cfg = QuantizeConfig(model=model, scheme=scheme, method=method, group_size=group_size, symmetric=sym,
@@ -468,7 +475,9 @@ def quantize(
                          calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
                          kv_cache=kv_cache, format=fmt, output=Path(output), overwrite=overwrite, device=device,
-                         max_shard_size=max_shard_size, target_bits=target_bits,
+                         max_shard_size=max_shard_size, target_bits=target_bits, gate=gate,
+                         eval_data=Path(eval_data) if eval_data else None, eval_seq_len=eval_seq_len,
+                         eval_max_tokens=eval_max_tokens,
                          **({"candidates": [c.strip() for c in candidates.split(",")]} if candidates else {}))
     report = quantize_model(cfg, err_console)
     if as_json:

@@ -283,12 +283,9 @@ def _check_gates(gates: list[ConfidenceGate], rows: dict[str, MetricRow], aliase
     return out
 
 
-def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None,
-             notify: Callable[[str], None] | None = None) -> EvalReport:
-    """Measure everything `opts` asks for; gates are evaluated but not raised (see command.py). `notify`
-    gets lines worth saying before they happen (what a float32 upcast will cost)."""
-    t0 = time.perf_counter()
-    # 1. validate every input before loading a model
+def check_inputs(opts: EvalOptions) -> tuple[str | None, list[Task], list[ConfidenceGate]]:
+    """Every input and gate of `opts` read and checked, no model loaded: the eval text, the tasks and the
+    gates (a caller with minutes of work before its first eval calls this first)."""
     text = load_text(opts.ppl_data) if opts.ppl_data is not None else None
     task_list = [load_task(p) for p in opts.tasks]
     names = [t.name for t in task_list]
@@ -299,6 +296,16 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
     _validate_gates(gates, metric_names(opts, task_list), interval_metric_names(opts, task_list))
     if opts.harness == "lm-eval" and task_list:
         _check_lmeval_models([opts.model] + ([opts.baseline] if opts.baseline else []))
+    return text, task_list, gates
+
+
+def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None,
+             notify: Callable[[str], None] | None = None) -> EvalReport:
+    """Measure everything `opts` asks for; gates are evaluated but not raised (see command.py). `notify`
+    gets lines worth saying before they happen (what a float32 upcast will cost)."""
+    t0 = time.perf_counter()
+    # 1. validate every input before loading a model
+    text, task_list, gates = check_inputs(opts)
     # 2. each model in turn: the baseline first (its top-k log-probs are kept for KL), then the candidate
     batch = opts.max_batch_tokens or default_batch_tokens(opts.seq_len, resolve_device(opts.device))
     gen = any(t.output_type == "generate_until" for t in task_list)

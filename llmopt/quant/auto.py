@@ -93,6 +93,20 @@ class AutoPlan:
     def predicted_kl(self) -> float:
         return sum(o.kl for o in self.choice.values())
 
+    def reallocate(self, target_bits: float) -> None:
+        """Choose again, from the same measurements, under another budget."""
+        self.target_bits = target_bits
+        self.choice = allocate(self.options, self.weights, target_bits)
+        self.measured_kl = None
+
+    def bounds(self) -> tuple[float, float]:
+        """The average bits of the cheapest choice everywhere, and of the dearest quantized one everywhere."""
+        total = sum(self.weights.values())
+        lo = sum(min(o.bits for o in self.options[m]) * n for m, n in self.weights.items()) / total
+        hi = sum(max((o.bits for o in self.options[m] if o.scheme is not None), default=16.0) * n
+                 for m, n in self.weights.items()) / total
+        return lo, hi
+
     def apply(self, targets: list[Target]) -> list[Target]:
         """`targets` with each searched linear's chosen scheme (a float choice: unquantized, stored in bf16)."""
         out = []
@@ -217,9 +231,10 @@ class SearchOptions:
 @torch.no_grad()
 def search(model: CausalLM, targets: list[Target], target_bits: float, windows: torch.Tensor,
            opts: SearchOptions, load: Callable[[str], None], release: Callable[[str], None],
-           progress: Callable[..., None] | None = None) -> AutoPlan:
+           progress: Callable[..., None] | None = None, into: AutoPlan | None = None) -> AutoPlan:
     """Steps 1-3 of the module doc over `model` (built empty; `load(prefix)` / `release(prefix)` fill and free
-    one module), for the `targets` that carry a scheme; returns the plan to `apply`."""
+    one module), for the `targets` that carry a scheme; returns the plan to `apply` (`into`, filled in
+    place, when given)."""
     t0 = time.perf_counter()
     searched = [t for t in targets if t.scheme is not None]
     options = {t.module: candidate_options(t, opts.candidates, opts.symmetric) for t in searched}
@@ -277,8 +292,10 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         for o in options[m]:
             if o.candidate == cand:
                 o.kl = 0.5 * float((err * fisher).mean())
-    plan = AutoPlan(target_bits, options, weights, sample_tokens=int(reference.shape[0]), reference=reference)
-    plan.choice = allocate(options, weights, target_bits)
+    plan = into if into is not None else AutoPlan(target_bits, {}, {})
+    plan.options, plan.weights = options, weights
+    plan.sample_tokens, plan.reference = int(reference.shape[0]), reference
+    plan.reallocate(target_bits)
     plan.seconds = time.perf_counter() - t0
     return plan
 

@@ -58,7 +58,8 @@ def _check_data_given(cfg: QuantizeConfig) -> None:
                           "--calib-data PATH")
 
 
-def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, console: Console) -> AutoPlan:
+def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, console: Console,
+            into: AutoPlan | None) -> AutoPlan:
     """`--scheme auto`: measure every candidate of every linear and choose under `--target-bits`."""
     from llmopt.models.loader import release
 
@@ -68,14 +69,31 @@ def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, co
                          batch_tokens=cfg.batch_tokens)
     assert cfg.target_bits is not None
     with layer_progress(console, "measuring each linear's candidates", len(model.layers)) as advance:
-        plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance)
+        plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance,
+                      into=into)
     counts = ", ".join(f"{n} {c}" for c, n in sorted(plan.summary()["choices"].items()))
     console.print(f"[cyan]auto:[/] {plan.bits:.3f} bits per weight (target {cfg.target_bits:g}): {counts}; "
                   f"predicted KL {plan.predicted_kl:.4g}", highlight=False)
     return plan
 
 
-def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> QuantReport:
+def auto_bounds(cfg: QuantizeConfig) -> tuple[float, float]:
+    """`--scheme auto`: the average bits of the cheapest candidate everywhere and of the dearest quantized one
+    everywhere, from the model's shapes alone (nothing is read but config.json)."""
+    from llmopt.models.loader import build_empty
+    from llmopt.models.resolve import resolve_model
+    from llmopt.quant.auto import candidate_options
+    from llmopt.quant.targets import plan_targets
+
+    model = build_empty(resolve_model(cfg.model), torch.float32, "meta")
+    targets, _ = plan_targets(model, cfg)
+    searched = [t for t in targets if t.scheme is not None]
+    plan = AutoPlan(0.0, {t.module: candidate_options(t, cfg.candidates, cfg.symmetric) for t in searched},
+                    {t.module: model.get_submodule(t.module).weight.numel() for t in searched})
+    return plan.bounds()
+
+
+def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: AutoPlan | None = None) -> QuantReport:
     """Quantize `cfg.model` as `cfg` says and write `cfg.output`; returns the report written there.
 
     Streamed: the model is built on the meta device and each decoder layer is read from the checkpoint
@@ -84,7 +102,10 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
     calibration embedding only; they, the final norm and the head go to the output as the source stores
     them, one tensor at a time. So memory holds one layer (plus its calibration activations and
     statistics), never the model: a model larger than the host's memory or the GPU quantizes on it
-    (docs/QUANTIZE.md, "How big a model")."""
+    (docs/QUANTIZE.md, "How big a model").
+
+    `--scheme auto`: `plan`, when given, holds the measurements to reuse (a gate search quantizes several
+    budgets from one search; `auto.search` fills an empty plan in place)."""
     from llmopt.devices import resolve_device
     from llmopt.models.loader import build_empty, fill_module, release
     from llmopt.models.reader import CheckpointTensors
@@ -129,11 +150,15 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None) -> Quant
         fill_module(model, checkpoint, prefix, device)
         load_s += time.perf_counter() - t
 
-    plan = None
     if cfg.scheme == AUTO:
         assert windows is not None and cfg.target_bits is not None
-        plan = _search(cfg, model, targets, windows, load, console)
+        if plan is None or not plan.options:
+            plan = _search(cfg, model, targets, windows, load, console, into=plan)
+        else:
+            plan.reallocate(cfg.target_bits)
         targets = plan.apply(targets)
+    else:
+        plan = None
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
                                   static_groups=cfg.static_groups)

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.errors import LlmoptError
+from llmopt.gates import parse_gate
 from llmopt.group_size import W4_DEFAULT_GROUPS
 from llmopt.models.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from llmopt.quant.fp8 import FP8_SCHEME
@@ -89,6 +90,10 @@ class QuantizeConfig(BaseModel):
     scheme: Literal["w8a16", "w4a16", "fp8", "w8a8", "auto"]  # a Preset, or auto
     target_bits: float | None = Field(None, gt=0)  # --scheme auto: average stored bits per weight
     candidates: list[str] = list(AUTO_CANDIDATES)  # --scheme auto: what each linear may become
+    gate: list[str] = []  # --scheme auto: eval gates the smallest checkpoint must pass on eval_data
+    eval_data: Path | None = None  # --scheme auto --gate: held-out text (as `llmopt eval --ppl-data`)
+    eval_seq_len: int = Field(512, ge=2)  # --gate: tokens per perplexity window
+    eval_max_tokens: int | None = Field(None, ge=2)  # --gate: only the first N tokens of eval_data
     method: Method = "rtn"
     group_size: int | None = None  # None: the preset default (w4a16: 128, or 64/32 when 128 does not divide)
     symmetric: bool = True
@@ -157,9 +162,20 @@ class QuantizeConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> QuantizeConfig:
         self.main_scheme()  # preset/group/sym combination
+        if self.gate and self.scheme != AUTO:
+            raise ValueError("--gate applies to --scheme auto (a fixed scheme is checked by `llmopt eval --gate`)")
         if self.scheme == AUTO:
-            if self.target_bits is None:
-                raise ValueError("--scheme auto needs --target-bits B (average stored bits per weight, e.g. 4.5)")
+            if (self.target_bits is None) == (not self.gate):
+                raise ValueError("--scheme auto needs --target-bits B (average stored bits per weight, e.g. 4.5) "
+                                 "or --gate EXPR with --eval-data PATH (the smallest checkpoint that passes), "
+                                 "not both")
+            if self.gate and self.eval_data is None:
+                raise ValueError("--gate needs --eval-data PATH: held-out text to score each candidate on")
+            for g in self.gate:
+                try:
+                    parse_gate(g)
+                except LlmoptError as e:
+                    raise ValueError(str(e)) from None
             if self.format == "gptq":
                 raise ValueError("the gptq format holds one scheme for the whole model; --scheme auto writes "
                                  "--format compressed-tensors")
@@ -167,8 +183,8 @@ class QuantizeConfig(BaseModel):
                 raise ValueError("--scheme auto chooses every linear's scheme; use --ignore to keep one float")
             for name in self.candidates:
                 candidate_scheme(name, self.symmetric)
-        elif self.target_bits is not None:
-            raise ValueError("--target-bits applies to --scheme auto only")
+        elif self.target_bits is not None or self.eval_data is not None:
+            raise ValueError("--target-bits and --eval-data apply to --scheme auto only")
         if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
         if self.scheme == "fp8" and self.method != "rtn":

@@ -54,6 +54,7 @@ class QuantReport(BaseModel):
     notes: list[str] = []
     deployment: dict[str, Any] = {}
     auto: dict[str, Any] | None = None  # --scheme auto: the budget, each linear's choice, predicted/measured KL
+    gate_search: dict[str, Any] | None = None  # --scheme auto --gate: every budget tried and its eval
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n")
@@ -78,6 +79,11 @@ class QuantReport(BaseModel):
             t.add_row("auto precision", f"{a['bits']:.3f} bits/weight (target {a['target_bits']:g}): {counts}")
             t.add_row("auto KL", f"predicted {a['predicted_kl']:.4g}, measured {a['measured_kl']:.4g} "
                       f"(nats/token, {a['sample_tokens']} calibration tokens)")
+        if self.gate_search:
+            for tr in self.gate_search["trials"]:
+                t.add_row("gate search", f"{tr['bits']:.3f} bits/weight: {'pass' if tr['passed'] else 'fail'} ("
+                          + "; ".join(f"{g['gate']} = {'n/a' if g['value'] is None else format(g['value'], '.4g')}"
+                                      for g in tr["gates"]) + ")")
         for stage, s in self.timings_s.items():
             t.add_row(f"time: {stage}", f"{s:.1f} s")
         if self.deployment:

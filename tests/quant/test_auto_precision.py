@@ -10,11 +10,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from llmopt import LLM
+from llmopt import LLM, SamplingParams
 from llmopt.errors import LlmoptError
 from llmopt.quant.auto import Option, _lower_hull, allocate, stored_bits
-from llmopt.quant.recipe import candidate_scheme
-from tests.quant._pipeline_helpers import assert_transformers_loads_export, calib_options, quantize_tiny
+from llmopt.quant.recipe import QuantizeConfig, candidate_scheme
+from tests.quant._pipeline_helpers import (
+    KB_FACTS,
+    assert_transformers_loads_export,
+    calib_options,
+    quantize_tiny,
+)
 
 
 def _opts(*points: tuple[str, float, float]) -> list[Option]:
@@ -84,3 +89,35 @@ def test_more_bits_measure_less_damage(tiny_llama, tmp_path, monkeypatch):
                                   candidates=["w4a16-g32", "w8a16"], method="gptq", **calib_options())
         kls.append((report.auto["predicted_kl"], report.auto["measured_kl"]))
     assert kls[1][0] < kls[0][0] and kls[1][1] < kls[0][1]
+
+
+GATE_OPTIONS = {"scheme": "auto", "candidates": ["w4a16-g32", "w8a16", "bf16"], "eval_data": KB_FACTS,
+                "eval_seq_len": 64, "device": "cpu", "forward_dtype": "float32", **calib_options()}
+
+
+def test_the_gate_search_writes_the_smallest_budget_that_passes(tiny_llama, tmp_path):
+    """On the tiny model all-int4 fails `kl_div<=0.002` and all-int8 passes (measured: 0.0089 and 0.00005),
+    so the search bisects between them and writes a passing checkpoint below all-int8's bits."""
+    from llmopt.tune.gate_search import quantize
+
+    out = tmp_path / "gated"
+    report = quantize(QuantizeConfig(model=str(tiny_llama), gate=["kl_div<=0.002"], output=out, **GATE_OPTIONS))
+    trials = report.gate_search["trials"]
+    assert trials[0]["passed"] and not trials[1]["passed"]  # the dearest budget, then the cheapest
+    passing = [t for t in trials if t["passed"]]
+    assert report.auto["bits"] == min(t["bits"] for t in passing) < trials[0]["bits"]
+    assert all(g["value"] <= 0.002 for t in passing for g in t["gates"])
+    saved = json.loads((out / "quantization_report.json").read_text())
+    assert saved["gate_search"]["trials"] == trials and saved["output"] == str(out)
+    assert not list(tmp_path.glob(".llmopt-gate-*"))  # the trials' directory is gone
+    LLM(str(out), dtype="float32", device="cpu").generate(["The"], SamplingParams(max_tokens=2))
+
+
+def test_when_no_budget_passes_nothing_is_written(tiny_llama, tmp_path):
+    from llmopt.errors import GateFailed
+    from llmopt.tune.gate_search import quantize
+
+    out = tmp_path / "gated"
+    with pytest.raises(GateFailed, match="no checkpoint passes kl_div<0: even 8.222 bits per weight fails"):
+        quantize(QuantizeConfig(model=str(tiny_llama), gate=["kl_div<0"], output=out, **GATE_OPTIONS))
+    assert list(tmp_path.iterdir()) == []

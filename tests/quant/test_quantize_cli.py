@@ -45,7 +45,7 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
      "needs --format gptq"),
     (["--scheme", "w4a16", "--mse"], "--mse applies to --method gptq only"),
     (["--scheme", "auto"], "--scheme auto needs --target-bits"),
-    (["--scheme", "w4a16", "--target-bits", "4.5"], "--target-bits applies to --scheme auto only"),
+    (["--scheme", "w4a16", "--target-bits", "4.5"], "--target-bits and --eval-data apply to --scheme auto only"),
     (["--scheme", "auto", "--target-bits", "5", "--format", "gptq"], "one scheme for the whole model"),
     (["--scheme", "auto", "--target-bits", "5", "--override", "mlp=w8a16"], "chooses every linear's scheme"),
     (["--scheme", "auto", "--target-bits", "5", "--candidates", "w3a16"], "unknown candidate 'w3a16'"),
@@ -53,6 +53,14 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "auto", "--target-bits", "4", "--calib-data", str(KB)], "below the cheapest candidates"),
     (["--scheme", "auto", "--target-bits", "5", "--candidates", "w4a16-g48", "--calib-data", str(KB)],
      "add w8a16 or bf16"),
+    (["--scheme", "w4a16", "--gate", "kl_div<=0.1"], "--gate applies to --scheme auto"),
+    (["--scheme", "auto", "--gate", "kl_div<=0.1", "--calib-data", str(KB)], "--gate needs --eval-data"),
+    (["--scheme", "auto", "--gate", "kl_div<=0.1", "--target-bits", "5", "--eval-data", str(KB)], "not both"),
+    (["--scheme", "auto", "--gate", "kl <= x", "--eval-data", str(KB)], "cannot parse gate 'kl <= x'"),
+    (["--scheme", "auto", "--gate", "acc_drop<=1", "--eval-data", str(KB), "--calib-data", str(KB)],
+     "this run does not measure 'acc_drop'"),
+    (["--scheme", "auto", "--gate", "kl_div<=1", "--eval-data", "no-such.txt", "--calib-data", str(KB)],
+     "no-such.txt"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_llama, tmp_path, monkeypatch, capsys, args, msg):
     out = tmp_path / "q"

@@ -46,7 +46,7 @@ class QuantizeStage(Stage):
         return {"config": s.model_dump(mode="json")}
 
     def run(self, ctx: StageContext, out: Path) -> StageOutcome:
-        from llmopt.quant.pipeline import quantize_model
+        from llmopt.tune.gate_search import quantize as quantize_model
 
         cfg = quantize_config(ctx.rr, out, ctx.artifacts.get("calibrate"))
         report = quantize_model(cfg, ctx.console)
