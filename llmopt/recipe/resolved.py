@@ -66,6 +66,9 @@ def resolved_document(rr: ResolvedRecipe) -> dict[str, Any]:
         for src in cal["data"]:
             src["path"] = rr.data_source(src["path"])
         cal["eval_data"] = [str(rr.file(f, "file")) for f in cal.get("eval_data", [])]
+    q = doc.get("quantize")
+    if q and q.get("eval_data"):
+        q["eval_data"] = str(rr.file(q["eval_data"], "file"))
     ev = doc.get("eval")
     if ev:
         if ev.get("ppl_data"):

@@ -345,3 +345,17 @@ def test_no_engine_outlives_its_stage(tiny_llama, tmp_path):
         gc.enable()
     assert report.exit_code == 0, report.to_json()
     assert alive == before
+
+
+def test_a_recipe_quantizes_to_a_gate_with_scheme_auto(tiny_llama, tmp_path):
+    """`scheme: auto` with a gate on held-out text named relative to the recipe (issue #32): the quantize
+    stage runs the gate search and records the bits it reached."""
+    auto = ("  scheme: auto\n  gate: [\"kl_div<=0.5\"]\n  eval_data: text.txt\n  eval_seq_len: 64\n"
+            "  candidates: [w4a16-g32, w8a16]\n  device: cpu")
+    recipe = make_recipe(tmp_path / "r", tiny_llama, **{"  scheme: w8a16\n  device: cpu": auto})
+    report = run_recipe(RunRequest(recipe=recipe, out=tmp_path / "run", stages="calibrate,quantize"), quiet())
+    assert report.exit_code == 0, report.to_json()
+    metrics = next(s for s in summary(tmp_path / "run")["stages"] if s["name"] == "quantize")["metrics"]
+    assert metrics["scheme"] == "auto" and 4.5 <= metrics["auto_bits"] <= 8.25
+    saved = json.loads((tmp_path / "run" / "quantize" / "quantization_report.json").read_text())
+    assert saved["gate_search"]["eval_data"] == str(tmp_path / "r" / "text.txt")

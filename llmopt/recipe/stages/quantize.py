@@ -15,7 +15,10 @@ from llmopt.recipe.stages.base import Stage, StageContext, StageOutcome, build, 
 def quantize_config(rr: ResolvedRecipe, output: Path, calib: Path | None) -> QuantizeConfig:
     s = rr.recipe.quantize
     assert s is not None
-    return QuantizeConfig(model=rr.model_ref, output=output, overwrite=True, calib=calib, **s.model_dump())
+    kw = s.model_dump()
+    if kw.get("eval_data") is not None:  # scheme: auto with a gate: relative to the recipe's folder
+        kw["eval_data"] = rr.file(str(kw["eval_data"]), "file")
+    return QuantizeConfig(model=rr.model_ref, output=output, overwrite=True, calib=calib, **kw)
 
 
 class QuantizeStage(Stage):
