@@ -91,7 +91,7 @@ def generate(
     seed: Optional[int] = typer.Option(None),
     dtype: str = typer.Option("auto", help="auto|float32|bfloat16|float16"),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
-    kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto|int8|fp8 (e4m3)"),
     threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -155,7 +155,7 @@ def bench(
                                                          rich_help_panel="Engine"),
     kv_cache_memory: Optional[str] = typer.Option(None, help="Engine: KV pool size, e.g. 2GiB.",
                                                   rich_help_panel="Engine"),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help="Engine: auto|int8", rich_help_panel="Engine"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="Engine: auto|int8|fp8", rich_help_panel="Engine"),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Engine: automatic prefix caching.", rich_help_panel="Engine"),
     threads: Optional[str] = typer.Option(None, help=f"Engine: {THREADS_HELP} (default {THREADS_DEFAULT}).",
@@ -285,7 +285,7 @@ def serve(
         None, min=1, help="Token budget of one engine step (default 2048)."),
     max_model_len: Optional[int] = typer.Option(None, min=2, help="Tokens per sequence (prompt + output)."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
-    kv_cache_dtype: str = typer.Option("auto", help="auto|int8"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto|int8|fp8 (e4m3)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",
@@ -453,7 +453,8 @@ def quantize(
     ignore: list[str] = typer.Option([], "--ignore", help="REGEX over HF module names to leave unquantized "
                                      "(lm_head and embeddings always are)."),
     override: list[str] = typer.Option([], "--override", help="REGEX=SCHEME for matching modules."),
-    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="int8: store calibrated KV-cache scales."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="int8|fp8: calibrated KV-cache scales (fp8: "
+                                    "compressed-tensors kv_cache_scheme, which vLLM loads)."),
     fmt: str = typer.Option("compressed-tensors", "--format", help="gptq|compressed-tensors"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUT_DIR."),
     output: str = typer.Option(..., "--output", "-o", help="OUT_DIR to write."),
@@ -507,9 +508,9 @@ def eval_(
     dtype: str = typer.Option("auto", help="auto (each checkpoint's own, as vLLM)|float32|bfloat16|float16 for "
                               "both models."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
-    kv_cache_dtype: str = typer.Option("auto", help="Candidate KV cache: auto|int8."),
+    kv_cache_dtype: str = typer.Option("auto", help="Candidate KV cache: auto|int8|fp8."),
     baseline_dtype: Optional[str] = typer.Option(None, help="Baseline dtype (default: --dtype)."),
-    baseline_kv_cache_dtype: str = typer.Option("auto", help="Baseline KV cache: auto|int8."),
+    baseline_kv_cache_dtype: str = typer.Option("auto", help="Baseline KV cache: auto|int8|fp8."),
     max_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per scoring forward (default: a few windows)."),
     kl_top_k: int = typer.Option(256, help="Baseline log-probs kept per token for KL and top-1 (8 bytes each; "
                                  "KL over the top-k plus one bucket for the rest, a lower bound)."),

@@ -99,7 +99,7 @@ class BenchOptions(BaseModel):
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kv_cache_memory: str | None = None
-    kv_cache_dtype: Literal["auto", "int8"] | None = None
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] | None = None
     prefix_caching: bool = True
     threads: str | None = None  # N or auto (llmopt.engine.threads); None: the engine's default
     # workload

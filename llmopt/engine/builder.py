@@ -65,9 +65,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eos = eos_ids(wdir, tokenizer, s.eos_token_id)
     # structured outputs: compiles each constraint once (thread-safe: servers compile at the edge too)
     structured = StructuredOutputCompiler(tokenizer, s.vocab_size, eos)
-    # a checkpoint with calibrated INT8 KV scales (llmopt quantize --kv-cache int8) defaults to an int8 cache
+    # a checkpoint with calibrated KV scales (llmopt quantize --kv-cache int8|fp8) defaults to that cache
     kv_scales = kv_cache_scales(resolved)
-    kv_dtype = "int8" if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    kv_dtype = kv_scales.dtype if kv_scales is not None and config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     attn = get_backend(device, config.block_size, not config.enforce_eager)
     sc = config.speculative
     draft, draft_dtype, draft_bytes = None, None, 0
@@ -80,7 +80,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             use_native_int8_kernel(m, False)
     kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
                                                              draft is not None)
-    if kv_scales is not None and kv_cache.quantized:
+    if kv_scales is not None and kv_cache.quantized and kv_dtype == kv_scales.dtype:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
     max_len = min(config.max_model_len or s.max_position_embeddings, s.max_position_embeddings)
     max_model_len = min(max_len, num_blocks * config.block_size)

@@ -35,7 +35,7 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1)
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     # True: plain eager torch: no TorchInductor, no packed weights (llmopt.layers.packed_linear) and none
     # of our C kernels (llmopt.native)
     enforce_eager: bool = False

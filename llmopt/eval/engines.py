@@ -65,7 +65,7 @@ def generation_tokens(model: str | None, opts: EngineOptions) -> int:
 
     try:
         spec = resolve_model(model).spec
-        element = 1 if opts.kv_cache_dtype == "int8" else parse_dtype(
+        element = 1 if opts.kv_cache_dtype in ("int8", "fp8") else parse_dtype(
             opts.dtype, spec.dtype, resolve_device(opts.device)).itemsize
     except LlmoptError:
         return opts.generation_tokens  # a bad model or dtype is reported by the load, as one line

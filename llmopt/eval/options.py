@@ -26,9 +26,9 @@ class EvalOptions(BaseModel):
     gates: list[str] = []
     dtype: str = "auto"  # the checkpoint's own dtype, as vLLM; float32 only when asked
     device: str = "auto"
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     baseline_dtype: str | None = None  # default: the candidate's dtype
-    baseline_kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    baseline_kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     max_batch_tokens: int | None = Field(None, ge=2)
     kl_top_k: int = Field(DEFAULT_TOP_K, ge=1)  # baseline log-probs kept per token for KL (divergence.py)
     report: Path | None = None

@@ -167,7 +167,7 @@ def read_quantized_weights(resolved: ResolvedModel) -> dict[str, QuantizedWeight
 
 @dataclass
 class KVCacheScales:
-    """Calibrated static INT8 KV-cache scales (x ≈ q · scale), [layers, kv_heads] each."""
+    """Calibrated static KV-cache scales (x ≈ q · scale), [layers, kv_heads] each; `dtype` int8 or fp8."""
 
     dtype: str
     k_scale: torch.Tensor
@@ -184,15 +184,18 @@ def kv_cache_scales(resolved: ResolvedModel) -> KVCacheScales | None:
     kv = (qcfg or {}).get("kv_cache_scheme")
     if not kv:
         return None
-    # legacy (llmopt before kv_cache_scales.json): int8 kv_cache_scheme + per-layer tensors
-    if kv.get("type") != "int" or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic"):
-        raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static int8 only)")
+    # fp8 (what vLLM and llm-compressor use), or legacy int8 (llmopt before kv_cache_scales.json): per-layer
+    # scalars in each layer's self_attn
+    kind = {"float": "fp8", "int": "int8"}.get(kv.get("type"))
+    if kind is None or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic") or kv.get("strategy", "tensor") != "tensor":
+        raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static 8-bit float or int, "
+                          "one scale per layer)")
     ts = CheckpointTensors(weights_dir(resolved))
     k, v = [], []
     for i in range(s.num_layers):
-        for store, kind in ((k, "k"), (v, "v")):
-            key = f"model.layers.{i}.self_attn.{kind}_scale"
+        for store, which in ((k, "k"), (v, "v")):
+            key = f"model.layers.{i}.self_attn.{which}_scale"
             if key not in ts:
                 raise LlmoptError(f"{resolved.path}: kv_cache_scheme is set but {key} is missing")
             store.append(ts.get(key).float().reshape(-1).expand(s.num_kv_heads))
-    return KVCacheScales("int8", torch.stack(k), torch.stack(v))
+    return KVCacheScales(kind, torch.stack(k), torch.stack(v))

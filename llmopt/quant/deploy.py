@@ -86,8 +86,13 @@ TABLE: dict[str, Row] = {r.key: r for r in (
         Cell(None, f"{_CPU_WNA16}, so expect no kernel")),
 )}
 
-KV_NOTE = ("INT8 KV-cache scales are in kv_cache_scales.json, read by llmopt only; transformers and vLLM load "
-           "the weights and run their own KV cache (vLLM: --kv-cache-dtype auto or fp8)")
+KV_NOTES = {
+    "int8": ("INT8 KV-cache scales are in kv_cache_scales.json, read by llmopt only; transformers and vLLM load "
+             "the weights and run their own KV cache (vLLM: --kv-cache-dtype auto or fp8)"),
+    "fp8": ("FP8 KV-cache scales are a compressed-tensors kv_cache_scheme (per layer k_scale/v_scale), as "
+            "llm-compressor writes them: vLLM reads them with --kv-cache-dtype fp8; llmopt's engine runs an "
+            "fp8 cache with them by default"),
+}
 
 
 def row_key(scheme: ModuleScheme, fmt: str) -> str:
@@ -118,7 +123,7 @@ MOE_NOTE = ("Mixture-of-Experts: the table was measured on dense llama-family mo
             "these checkpoints were not measured")
 
 
-def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: bool = False, moe: bool = False) -> dict[str, Any]:
+def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: str | None = None, moe: bool = False) -> dict[str, Any]:
     """The report's `deployment` entry for a checkpoint holding `schemes` in format `fmt` (`moe`: the
     model has experts, whose deployment was not measured like the dense rows)."""
     keys = list(dict.fromkeys(row_key(s, fmt) for s in schemes))
@@ -126,7 +131,7 @@ def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: bool = False, mo
     out: dict[str, Any] = {"schemes": keys}
     for tool in TOOLS:
         out[tool] = combine([r.cell(tool) for r in rows]).to_json()
-    out["notes"] = ([KV_NOTE] if kv_cache else []) + ([MOE_NOTE] if moe else [])
+    out["notes"] = ([KV_NOTES[kv_cache]] if kv_cache else []) + ([MOE_NOTE] if moe else [])
     return out
 
 

@@ -8,7 +8,9 @@ config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the int4/int8 
 on bf16 activations, their fast path; `--dtype float32` still loads every stored tensor exactly.
 
 Calibrated INT8 KV-cache scales go to `kv_cache_scales.json` (llmopt/quant/kv_scales.py), never into
-`quantization_config`: an int8 `kv_cache_scheme` makes vLLM refuse the whole checkpoint.
+`quantization_config`: an int8 `kv_cache_scheme` makes vLLM refuse the whole checkpoint. FP8 ones are
+what vLLM loads: a float `kv_cache_scheme` (one scale per layer, "tensor") and each layer's
+`self_attn.k_scale` / `v_scale` tensors, as llm-compressor writes them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from llmopt.quant.targets import Target, hf_parts
 COMPUTE_DTYPE = "bfloat16"
 _SKIP_COPY = {"config.json", INDEX_FILE, "quantization_report.json", KV_SCALES_FILE}
 
+FP8_KV_CACHE_SCHEME: dict[str, Any] = {
+    "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+}
 INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
     "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None,
 }
@@ -87,7 +92,7 @@ def _module_tensors(qm: QuantizedModule, fmt: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _compressed_config(targets: list[Target], act_order: bool) -> dict[str, Any]:
+def _compressed_config(targets: list[Target], act_order: bool, kv_cache: str | None) -> dict[str, Any]:
     by_scheme: dict[ModuleScheme, list[str]] = {}
     ignore: list[str] = []
     for t in targets:
@@ -103,7 +108,8 @@ def _compressed_config(targets: list[Target], act_order: bool) -> dict[str, Any]
             g["input_activations"] = dict(INT8_TOKEN_ACTIVATIONS)
             g["format"] = "int-quantized"
         groups[f"group_{i}"] = g
-    return compressed_quantization_config(groups, ignore=ignore, kv_cache_scheme=None)
+    return compressed_quantization_config(groups, ignore=ignore,
+                                          kv_cache_scheme=dict(FP8_KV_CACHE_SCHEME) if kv_cache == "fp8" else None)
 
 
 def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_groups: bool) -> dict[str, Any]:
@@ -124,12 +130,12 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_gro
 
 
 def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,
-                        static_groups: bool = True) -> dict[str, Any]:
+                        static_groups: bool = True, kv_cache: str | None = None) -> dict[str, Any]:
     """config.json's `quantization_config` (raises early when the format cannot express the plan). The gptq
     format records `desc_act` and, with it, whether the groups were static (identity g_idx) or not."""
     if fmt == "gptq":
         return _gptq_config(targets, act_order, damp, static_groups)
-    return _compressed_config(targets, act_order)
+    return _compressed_config(targets, act_order, kv_cache)
 
 
 def _checkpoint_order(name: str) -> tuple:
@@ -141,13 +147,14 @@ class CheckpointExport:
     """Writes a quantized checkpoint into `out` as its decoder layers finish (the streamed quantizer hands
     each one over, then frees it), then the rest: embeddings, final norm and head (as the source stores
     them), config.json (with quantization_config), tokenizer and generation config, and
-    `kv_cache_scales.json` when KV scales ([layers, kv_heads] K and V) are given. Tensors go to
+    the KV scales when given: int8 [layers, kv_heads] K and V in `kv_cache_scales.json`, fp8 [layers] as each
+    layer's `self_attn.k_scale` / `v_scale` (compressed-tensors' kv_cache_scheme, which vLLM reads). Tensors go to
     safetensors shards of at most `max_shard_bytes` (`models.shards`) as they come."""
 
     def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
-                 max_shard_bytes: int, static_groups: bool = True) -> None:
-        self.out, self.targets, self.fmt = out, targets, fmt
-        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups)  # fails before any work
+                 max_shard_bytes: int, static_groups: bool = True, kv_cache: str | None = None) -> None:
+        self.out, self.targets, self.fmt, self.kv_cache = out, targets, fmt, kv_cache
+        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups, kv_cache)  # fails early
         self.writer = ShardWriter(out, max_shard_bytes)
 
     def _add(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -169,8 +176,12 @@ class CheckpointExport:
                  if not (name.startswith("model.layers.") or "rotary_emb" in name or (tied and name == "lm_head.weight"))]
         for name, tensor in source.read(outer):
             self._add({name: tensor})
+        if kv_scales is not None and self.kv_cache == "fp8":
+            k, v = kv_scales
+            self._add({f"model.layers.{i}.self_attn.{kind}_scale": s[i].reshape(()).float().clone()
+                       for i in range(k.shape[0]) for kind, s in (("k", k), ("v", v))})
         shards = self.writer.finish()
-        if kv_scales is not None:
+        if kv_scales is not None and self.kv_cache != "fp8":
             write_kv_scales(self.out, *kv_scales)
         cfg = dict(source_config)
         cfg["quantization_config"] = self.qcfg

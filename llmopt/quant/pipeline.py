@@ -28,6 +28,7 @@ from llmopt.quant.sequential import QuantizedModule, SequentialOptions, Sequenti
 
 REPORT = "quantization_report.json"
 INT8_MAX = 127.0
+FP8_MAX = 448.0  # float8 e4m3's largest value
 
 
 def _calibration(cfg: QuantizeConfig, resolved, directory: Path, tokenizer,
@@ -129,7 +130,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
     model = build_empty(resolved, torch.float32, device)
     targets, notes = plan_targets(model, cfg)
     act_order = bool(cfg.act_order)  # resolved by QuantizeConfig: on for GPTQ unless --no-act-order
-    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups)  # fail early
+    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups, cfg.kv_cache)  # fail early
     tokenizer = load_tokenizer(directory)
     for note in notes:
         console.print(f"[cyan]note:[/] {note}", highlight=False)
@@ -161,7 +162,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         plan = None
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
-                                  static_groups=cfg.static_groups)
+                                  static_groups=cfg.static_groups, kv_cache=cfg.kv_cache)
 
         def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
             nonlocal write_s
@@ -188,7 +189,11 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         kv = None
         if cfg.kv_cache is not None:
             assert result.k_absmax is not None and result.v_absmax is not None
-            kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
+            if cfg.kv_cache == "fp8":  # one scale per layer (vLLM's "tensor" strategy): the largest head's
+                kv = ((result.k_absmax.amax(1) / FP8_MAX).clamp(min=1e-8),
+                      (result.v_absmax.amax(1) / FP8_MAX).clamp(min=1e-8))
+            else:
+                kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
         t0 = time.perf_counter()
         shards = export.finish(checkpoint, directory, resolved.config, resolved.spec.tie_word_embeddings, kv)
         timings = {"load weights": load_s, "sample calibration data": sample_s,
@@ -205,6 +210,6 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
             bytes_before=bytes_before, bytes_after=sum(f.stat().st_size for f in shards), notes=notes,
             auto=plan.summary() if plan else None,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
-                                  kv_cache=cfg.kv_cache is not None, moe=resolved.spec.is_moe))
+                                  kv_cache=cfg.kv_cache, moe=resolved.spec.is_moe))
         report.write(tmp / REPORT)
     return report

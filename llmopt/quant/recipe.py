@@ -110,7 +110,7 @@ class QuantizeConfig(BaseModel):
     seed: int = 0
     ignore: list[str] = []
     override: list[str] = []
-    kv_cache: Literal["int8"] | None = None
+    kv_cache: Literal["int8", "fp8"] | None = None
     format: Format = "compressed-tensors"
     output: Path
     overwrite: bool = False
@@ -203,6 +203,9 @@ class QuantizeConfig(BaseModel):
         if self.calib is not None and self.calib_data:
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
         if self.format == "gptq":
+            if self.kv_cache == "fp8":
+                raise ValueError("--kv-cache fp8 is a compressed-tensors kv_cache_scheme; use --format "
+                                 "compressed-tensors")
             if self.scheme in ("fp8", "w8a8"):
                 raise ValueError(f"the gptq format holds int weight-only schemes (w4a16, w8a16), not {self.scheme}; "
                                  "use --format compressed-tensors")

@@ -89,7 +89,7 @@ def _plan_parallel(resolved: ResolvedModel, opts: VllmOptions, weight: str, note
     from llmopt.planning.vram import VramPlanOptions, plan_vram
 
     spec = resolved.spec
-    popts = VramPlanOptions(weight_dtype=weight, kv_dtype="fp8" if opts.kv_cache_dtype == "int8" else "auto",
+    popts = VramPlanOptions(weight_dtype=weight, kv_dtype="fp8" if opts.kv_cache_dtype in ("int8", "fp8") else "auto",
                             seq_len=opts.max_model_len or spec.max_position_embeddings, batch=opts.max_num_seqs or 1,
                             gpu_memory_bytes=opts.gpu_memory_bytes, num_gpus=opts.num_gpus,
                             max_num_batched_tokens=opts.max_num_batched_tokens or 2048)
@@ -129,8 +129,10 @@ def build_vllm_command(model: str | None, opts: VllmOptions) -> VllmCommand:
         argv += ["--kv-cache-dtype", "fp8"]
         notes.append("--kv-cache-dtype int8 maps to vLLM's fp8 (same memory; vLLM's int8 KV cache is not "
                      "generally available); check quality with `llmopt eval` before relying on it")
+    elif opts.kv_cache_dtype == "fp8":
+        argv += ["--kv-cache-dtype", "fp8"]
     elif opts.kv_cache_dtype != "auto":
-        raise LlmoptError(f"unknown --kv-cache-dtype {opts.kv_cache_dtype!r}; choose auto or int8")
+        raise LlmoptError(f"unknown --kv-cache-dtype {opts.kv_cache_dtype!r}; choose auto, int8 or fp8")
     argv.append("--enable-prefix-caching" if opts.enable_prefix_caching else "--no-enable-prefix-caching")
 
     qc = resolved.quantization_config

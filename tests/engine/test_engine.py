@@ -226,15 +226,16 @@ def test_priority_policy_runs_high_priority_first(tiny_llama):
     assert order == ["high", "low"]
 
 
-def test_int8_kv_cache_close_to_fp32(tiny_llama):
+@pytest.mark.parametrize("kv, stored", [("int8", torch.int8), ("fp8", torch.uint8)])
+def test_quantized_kv_cache_close_to_fp32(tiny_llama, kv, stored):
     ref = LLM(str(tiny_llama), dtype="float32")
-    q = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype="int8")
+    q = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=kv)
     prompts = _prompts(ref.engine.spec.vocab_size, 4, seed=3)
     a = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
     b = q.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
     same = sum(x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, b, strict=True))
     assert same >= 3
-    assert q.engine.kv_cache.k.dtype == torch.int8
+    assert q.engine.kv_cache.k.dtype == stored and q.engine.kv_cache.codes == kv
 
 
 def test_chat_applies_template(tiny_llama):

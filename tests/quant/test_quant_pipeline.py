@@ -89,6 +89,27 @@ def test_calib_dir_feeds_quantize_and_kv_scales_reach_the_engine(tiny_llama, tmp
     assert all(torch.isfinite(v).all() for v in ref.values())
 
 
+def test_fp8_kv_cache_scales_are_what_vllm_reads(tiny_llama, tmp_path):
+    """`--kv-cache fp8`: compressed-tensors' float kv_cache_scheme with one k_scale / v_scale per layer (the
+    largest head's absmax / 448), which our engine then runs as an fp8 cache by default (issue #32)."""
+    from safetensors import safe_open
+
+    out = tmp_path / "q"
+    quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w8a16", kv_cache="fp8", calib_data=[str(KB_CALIB)],
+                                  num_samples=4, seq_len=64, output=out, device="cpu", forward_dtype="float32"))
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                       "symmetric": True}
+    assert not (out / "kv_cache_scales.json").exists()
+    with safe_open(str(out / "model.safetensors"), "pt") as st:
+        scales = {k: st.get_tensor(k) for k in st.keys() if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+    assert sorted(scales) == [f"model.layers.{i}.self_attn.{w}_scale" for i in (0, 1) for w in "kv"]
+    assert all(t.shape == () and t.dtype == torch.float32 and t > 0 for t in scales.values())
+    cache = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=32).engine.kv_cache
+    assert cache.codes == "fp8" and cache.static_k_scale.shape == (2, 2)
+    assert torch.equal(cache.static_k_scale[1], scales["model.layers.1.self_attn.k_scale"].expand(2))
+
+
 def test_calib_dir_of_another_model_is_refused(tiny_llama, tiny_qwen2, tmp_path):
     calib = tmp_path / "calib"
     run_calibration(CalibrateConfig(model=str(tiny_llama), data=[str(KB_CALIB)], num_samples=2, seq_len=32,

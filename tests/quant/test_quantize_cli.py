@@ -53,6 +53,7 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "auto", "--target-bits", "4", "--calib-data", str(KB)], "below the cheapest candidates"),
     (["--scheme", "auto", "--target-bits", "5", "--candidates", "w4a16-g48", "--calib-data", str(KB)],
      "add w8a16 or bf16"),
+    (["--scheme", "w4a16", "--kv-cache", "fp8", "--format", "gptq"], "--kv-cache fp8 is a compressed-tensors"),
     (["--scheme", "w4a16", "--gate", "kl_div<=0.1"], "--gate applies to --scheme auto"),
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--calib-data", str(KB)], "--gate needs --eval-data"),
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--target-bits", "5", "--eval-data", str(KB)], "not both"),

@@ -1,22 +1,26 @@
 """The head-major paged KV cache (`HeadMajorBackend`'s layout): per layer [num_kv_heads, slots, head_dim]
 with slot = block_id * block_size + offset, so a write is one indexed copy and a gather of whole blocks
-lands in the [heads, batch, context, head_dim] layout attention multiplies with. With `int8`, each token
-and head also keeps a float32 scale (absmax / 127), unless calibrated static per-head scales are set."""
+lands in the [heads, batch, context, head_dim] layout attention multiplies with. With `int8` or `fp8`
+(`kv_codes`), each token and head also keeps a float32 scale (absmax / 127 or / 448), unless calibrated
+static per-head scales are set."""
 
 from __future__ import annotations
 
 import torch
 
+from llmopt.layers.attention.kv_codes import KV_CODE_DTYPES, LARGEST, decode, encode, storage_dtype
+
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto"):
-        """`kv_cache_dtype`: "auto" (the compute dtype) or "int8" (validated by EngineConfig)."""
+        """`kv_cache_dtype`: "auto" (the compute dtype), "int8" or "fp8" (validated by EngineConfig)."""
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype  # compute dtype the cache returns
-        self.quantized = kv_cache_dtype == "int8"
-        store = torch.int8 if self.quantized else dtype
+        self.quantized = kv_cache_dtype in KV_CODE_DTYPES
+        self.codes = kv_cache_dtype if self.quantized else None
+        store = storage_dtype(kv_cache_dtype) if self.quantized else dtype
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=store, device=device)
         self.v = torch.zeros(shape, dtype=store, device=device)
@@ -24,7 +28,7 @@ class PagedKVCache:
             sshape = (num_layers, num_kv_heads, num_blocks * block_size, 1)
             self.k_scale = torch.ones(sshape, dtype=torch.float32, device=device)
             self.v_scale = torch.ones(sshape, dtype=torch.float32, device=device)
-        # Calibrated static scales [num_layers, num_kv_heads] (from `llmopt quantize --kv-cache int8`).
+        # Calibrated static scales [num_layers, num_kv_heads] (from `llmopt quantize --kv-cache int8|fp8`).
         self.static_k_scale: torch.Tensor | None = None
         self.static_v_scale: torch.Tensor | None = None
 
@@ -38,8 +42,8 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        # int8: one byte per value plus one fp32 scale
-        per_token_head = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * dtype.itemsize
+        # int8 / fp8: one byte per value plus one fp32 scale
+        per_token_head = head_dim + 4 if kv_cache_dtype in KV_CODE_DTYPES else head_dim * dtype.itemsize
         return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
     def set_static_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
@@ -49,13 +53,13 @@ class PagedKVCache:
         self.static_v_scale = v_scale.to(dev, torch.float32).reshape(self.num_layers, self.num_kv_heads)
 
     def _quant(self, x: torch.Tensor, static: torch.Tensor | None, layer: int):
-        """x: [Hkv, T, D] → int8 codes and scales [Hkv, T, 1]."""
-        xf = x.float()
+        """x: [Hkv, T, D] → codes and scales [Hkv, T, 1]."""
+        assert self.codes is not None
         if static is not None:
             scale = static[layer].view(-1, 1, 1).expand(-1, x.shape[1], 1)
         else:
-            scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
-        return torch.round(xf / scale).clamp(-127, 127).to(torch.int8), scale
+            scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / LARGEST[self.codes]
+        return encode(x, scale, self.codes), scale
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [T, num_kv_heads, head_dim] for the tokens at `slots` [T]."""
@@ -72,7 +76,8 @@ class PagedKVCache:
             self.v[layer].index_copy_(1, slots, v.to(self.v.dtype))
 
     def _dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (q.float() * scale).to(self.dtype)
+        assert self.codes is not None
+        return decode(q, scale, self.codes, self.dtype)
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks `blocks` [B, n] → [num_kv_heads, B, n * block_size, head_dim], one

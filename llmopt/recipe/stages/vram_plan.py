@@ -52,9 +52,9 @@ def plan_options(rr: ResolvedRecipe) -> tuple[VramPlanOptions, dict[str, str]]:
         if kw["group_size"] is None and q.group_size is not None and q.scheme in ("w8a16", "w4a16"):
             kw["group_size"] = q.group_size
     engine = rr.recipe.serve.engine if rr.recipe.serve is not None else None
-    if str(kw["kv_dtype"]).lower() == "auto" and engine is not None and engine.kv_cache_dtype == "int8":
-        kw["kv_dtype"] = "int8"
-        inferred["kv_dtype"] = "int8 (from serve.engine.kv_cache_dtype)"
+    if str(kw["kv_dtype"]).lower() == "auto" and engine is not None and engine.kv_cache_dtype in ("int8", "fp8"):
+        kw["kv_dtype"] = engine.kv_cache_dtype
+        inferred["kv_dtype"] = f"{engine.kv_cache_dtype} (from serve.engine.kv_cache_dtype)"
     return VramPlanOptions(**kw), inferred
 
 
