@@ -13,6 +13,12 @@
 // The packed weight (see pack_vnni in packed_linear.py): N rounded up to 16 with zero rows, cut into panels of
 // PANEL outputs (the last one may be narrower, a multiple of 16); panel p starts PANEL * p * K elements in
 // and is laid out [K / 2][width][2]. K is even.
+//
+// int4 (W4A16, symmetric groups; bf16_linear_int4): the same panels with one byte per output and pair of k,
+// the low nibble k and the high one k + 1, codes q in 0..15 for the weight (q - 8) * s; s is a bf16 scale per
+// group of G inputs and output, laid out [K / G][N rounded to 16]. A pass sums each group's products in its
+// own float32 lanes and folds them into the output's with one multiply-add by the 16 outputs' scales, so no
+// weight is ever scaled; the nibbles become bf16 by one table lookup (vpermw) per 32 weights.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +34,9 @@
 #define MT 6       // activation rows per pass over a panel: MT * NV accumulators, NV weight vectors, 1 broadcast
 #define M_CHUNK 48 // activation rows per work item: a big batch is split over rows as well as panels
 #define WIDEN_ROWS 16 // int8: past this many rows, panels are widened to bf16 once per work item
+#define MT_GROUPED 3  // grouped (int4) passes: 2 * MT_GROUPED * NV accumulators + NV weights stay in registers
+#define WIDEN_ROWS_INT4 16  // int4: past this many rows, panels are widened to bf16 codes once per item (measured)
+enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
 
 int bf16_linear_available(void) {
@@ -45,20 +54,49 @@ static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {  // 16 bf
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
+static uint16_t I4_TABLE[32];  // bf16 of q - 8 for the nibble q (0..15), then zeros
+static int i4_table_ready;
+
+static void i4_table_init(void) {
+    if (i4_table_ready) return;
+    for (int q = 0; q < 16; q++) I4_TABLE[q] = f_to_bf16((float)(q - 8));
+    i4_table_ready = 1;
+}
+
+// 16 bytes of one int4 pair row (16 outputs x k, k + 1) as 32 bf16 (q - 8) in the VNNI pair order, exact.
+static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(pairs), table);
+}
+
 // rows x[0..mt) against one panel of nv vectors; `valid` of its outputs are written (the rest is padding).
+// `group` > 0: each group of that many inputs is summed apart and folded in by gscale (the group scales of this
+// panel's outputs, gstride bf16 apart from one group to the next); the weights are then unscaled codes.
 // Inlined with constant mt, nv and int8 (see panel) so the accumulators stay in registers.
 static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x, const int mt, int64_t K,
-                                                              const void *wp, const int int8, const int nv,
+                                                              const void *wp, const int storage, const int nv,
                                                               const uint16_t *scale, const uint16_t *bias,
-                                                              uint16_t *y, int64_t N, int64_t valid) {
-    __m512 acc[MT][NV];
+                                                              uint16_t *y, int64_t N, int64_t valid,
+                                                              const int grouped, int64_t group,
+                                                              const uint16_t *gscale, int64_t gstride) {
+    __m512 acc[MT][NV], gacc[MT_GROUPED][NV];
     for (int m = 0; m < MT; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    const __m512i table = storage == W_INT4 ? _mm512_loadu_si512((const void *)I4_TABLE) : _mm512_setzero_si512();
+    if (grouped)
+        for (int m = 0; m < MT_GROUPED; m++)
+            for (int v = 0; v < NV; v++) gacc[m][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
         __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
-        if (int8) {
+        if (storage == W_INT8) {
             const int8_t *wk = (const int8_t *)wp + k * nv * 16;
             for (int v = 0; v < nv; v++) w[v] = int8x32_to_bf16(wk + v * 32);
+        } else if (storage == W_INT4) {
+            const uint8_t *wk = (const uint8_t *)wp + (k / 2) * nv * 16;
+            for (int v = 0; v < nv; v++) w[v] = int4x32_to_bf16(wk + v * 16, table);
         } else {
             const uint16_t *wk = (const uint16_t *)wp + k * nv * 16;
             for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
@@ -67,7 +105,20 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
             int32_t pair;
             memcpy(&pair, x + m * K + k, sizeof pair);
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            for (int v = 0; v < nv; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+            if (grouped)
+                for (int v = 0; v < nv; v++) gacc[m][v] = _mm512_dpbf16_ps(gacc[m][v], xv, w[v]);
+            else
+                for (int v = 0; v < nv; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+        }
+        if (grouped && (k + 2) % group == 0) {  // the end of a group: fold its sums in by its scales
+            const uint16_t *gs = gscale + ((k + 1) / group) * gstride;
+            for (int v = 0; v < nv; v++) {
+                const __m512 sv = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
+                for (int m = 0; m < mt; m++) {
+                    acc[m][v] = _mm512_fmadd_ps(gacc[m][v], sv, acc[m][v]);
+                    gacc[m][v] = _mm512_setzero_ps();
+                }
+            }
         }
     }
     for (int v = 0; v < nv; v++) {
@@ -82,13 +133,26 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
 }
 
 #define CASE(mt, nv) case (mt) * 8 + (nv): \
-    if (int8) panel_mt_nv(x, mt, K, wp, 1, nv, scale, bias, y, N, valid); \
-    else panel_mt_nv(x, mt, K, wp, 0, nv, scale, bias, y, N, valid); \
+    if (storage == W_INT8) panel_mt_nv(x, mt, K, wp, W_INT8, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
+    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
     break;
 #define CASES(mt) CASE(mt, 1) CASE(mt, 2) CASE(mt, 3) CASE(mt, 4)
+#define GCASE(mt, nv) case (mt) * 8 + (nv): \
+    if (storage == W_INT4) panel_mt_nv(x, mt, K, wp, W_INT4, nv, NULL, bias, y, N, valid, 1, group, gscale, gstride); \
+    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, NULL, bias, y, N, valid, 1, group, gscale, gstride); \
+    break;
+#define GCASES(mt) GCASE(mt, 1) GCASE(mt, 2) GCASE(mt, 3) GCASE(mt, 4)
 
-static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int int8, int nv, const uint16_t *scale,
-                  const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
+static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int storage, int nv, const uint16_t *scale,
+                  const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group, const uint16_t *gscale,
+                  int64_t gstride) {
+    if (group) {
+        switch (mt * 8 + nv) {
+            GCASES(1) GCASES(2) GCASES(3)
+            default: break;
+        }
+        return;
+    }
     switch (mt * 8 + nv) {
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
         default: break;
@@ -111,6 +175,14 @@ static uint16_t *thread_buffer(size_t n) {
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512((void *)(out + i), (__m512i)int8x32_to_bf16(w + i));
+}
+
+// An int4 panel of n weights (n / 2 bytes) as bf16 codes q - 8 in the VNNI layout (exact; the group scales
+// are still folded in per group); n is a multiple of 32.
+static void widen_panel_int4(const uint8_t *w, int64_t n, uint16_t *out) {
+    const __m512i table = _mm512_loadu_si512((const void *)I4_TABLE);
+    for (int64_t i = 0; i < n; i += 32)
+        _mm512_storeu_si512((void *)(out + i), (__m512i)int4x32_to_bf16(w + i / 2, table));
 }
 #endif
 
@@ -230,11 +302,14 @@ int bf16_linear_amx_available(void) { return 0; }
 #ifdef __AVX512BF16__
 // The work both paths share: items of one panel x `chunk` rows over the threads, each int8 panel widened to bf16
 // once per item when `widen`, then the rows of the item by AMX tiles (`amx`) or VNNI passes of MT rows.
-static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
-               const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int amx) {
+static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
+               const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int amx, int64_t group,
+               const uint16_t *gscale) {
     const int64_t chunk = amx ? AMX_ITEM : M_CHUNK;
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + chunk - 1) / chunk;
-    const int widen = int8 && (amx || M > WIDEN_ROWS);
+    const int widen = storage != W_BF16 && (amx || M > (storage == W_INT4 ? WIDEN_ROWS_INT4 : WIDEN_ROWS));
+    const int step = group ? MT_GROUPED : MT;
+    if (storage == W_INT4) i4_table_init();
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
@@ -251,12 +326,16 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8
                 const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
                 const int64_t valid = N - n0 < width ? N - n0 : width;
                 const int64_t m_end = (c + 1) * chunk < M ? (c + 1) * chunk : M;
-                const void *w = int8 ? (const void *)((const int8_t *)wp + n0 * K)
-                                     : (const void *)((const uint16_t *)wp + n0 * K);
-                int w8 = int8;
+                const void *w = storage == W_INT8 ? (const void *)((const int8_t *)wp + n0 * K)
+                              : storage == W_INT4 ? (const void *)((const uint8_t *)wp + n0 * K / 2)
+                                                  : (const void *)((const uint16_t *)wp + n0 * K);
+                int ws = storage;
                 if (widen) {
-                    if (held != p) widen_panel((const int8_t *)w, width * K, buf);
-                    held = p, w = buf, w8 = 0;
+                    if (held != p) {
+                        if (storage == W_INT4) widen_panel_int4((const uint8_t *)w, width * K, buf);
+                        else widen_panel((const int8_t *)w, width * K, buf);
+                    }
+                    held = p, w = buf, ws = W_BF16;
                 }
                 const uint16_t *sp = scale ? scale + n0 : NULL, *bp = bias ? bias + n0 : NULL;
 #ifdef HAVE_AMX
@@ -265,9 +344,10 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8
                     continue;
                 }
 #endif
-                for (int64_t m0 = c * chunk; m0 < m_end; m0 += MT) {
-                    const int64_t mt = m_end - m0 < MT ? m_end - m0 : MT;
-                    panel(x + m0 * K, (int)mt, K, w, w8, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid);
+                for (int64_t m0 = c * chunk; m0 < m_end; m0 += step) {
+                    const int64_t mt = m_end - m0 < step ? m_end - m0 : step;
+                    panel(x + m0 * K, (int)mt, K, w, ws, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid, group,
+                          group ? gscale + n0 : NULL, n16);
                 }
             }
 #ifdef HAVE_AMX
@@ -286,7 +366,7 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8
 int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
                 const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__
-    return run(x, M, K, wp, int8, scale, bias, N, y, nthreads, 0);
+    return run(x, M, K, wp, int8 ? W_INT8 : W_BF16, scale, bias, N, y, nthreads, 0, 0, NULL);
 #else
     (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
     return 1;
@@ -298,9 +378,24 @@ int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int
 int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int8, const uint16_t *scale,
                     const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef HAVE_AMX
-    if (bf16_linear_amx_available() && K % AMX_K == 0) return run(x, M, K, wp, int8, scale, bias, N, y, nthreads, 1);
+    if (bf16_linear_amx_available() && K % AMX_K == 0)
+        return run(x, M, K, wp, int8 ? W_INT8 : W_BF16, scale, bias, N, y, nthreads, 1, 0, NULL);
 #else
     (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
 #endif
     return 1;
+}
+
+// W4A16: y[M, N] = x[M, K] @ ((q - 8) * s)^T + bias, the int4 panels and group scales of the header comment;
+// group even, dividing K. Past WIDEN_ROWS rows each panel is widened to bf16 codes once per work item. The AMX
+// path is not used (its tiles have no group fold). Returns as bf16_linear.
+int bf16_linear_int4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *wp, const uint16_t *gscale, int64_t group,
+                     const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
+#ifdef __AVX512BF16__
+    if (group <= 0 || group % 2 || K % group) return 3;
+    return run(x, M, K, wp, W_INT4, NULL, bias, N, y, nthreads, 0, group, gscale);
+#else
+    (void)x; (void)M; (void)K; (void)wp; (void)gscale; (void)group; (void)bias; (void)N; (void)y; (void)nthreads;
+    return 1;
+#endif
 }

@@ -39,6 +39,9 @@ class Bf16LinearKernel:
         for fn in (lib.bf16_linear, lib.bf16_linear_amx):
             fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int]
             fn.restype = ctypes.c_int
+        lib.bf16_linear_int4.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+        lib.bf16_linear_int4.restype = ctypes.c_int
+        self._int4 = lib.bf16_linear_int4
         self.available = bool(lib.bf16_linear_available())
         self.amx = self.available and bool(lib.bf16_linear_amx_available())
         self.amx_min_rows = dict(AMX_MIN_ROWS)
@@ -66,6 +69,19 @@ class Bf16LinearKernel:
         return out
 
 
+    def int4(self, x2: torch.Tensor, packed: torch.Tensor, gscale: torch.Tensor, group: int,
+             bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x2 @ ((q - 8) * s).T + bias: x2 [M, K] bf16 contiguous; `packed` and `gscale` from pack_int4_vnni."""
+        m, k = x2.shape
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._int4(x2.data_ptr(), m, k, packed.data_ptr(), gscale.data_ptr(), group, _ptr(bias), n,
+                        out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("bf16 linear kernel (int4): " + {1: "no AVX512-BF16 in this build", 2: "out of memory",
+                                                                 3: f"group {group} does not fit K {k}"}[rc])
+        return out
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -88,6 +104,24 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
         out[p0 * k:(p0 + width) * k].view(k // 2, width, 2)[:, :rows.shape[0]].copy_(
             rows.reshape(-1, k // 2, 2).transpose(0, 1))
     return out
+
+
+def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 codes q [N, K] (0..15, the weight being (q - 8) * scale) and group scales [N, K / G] ->
+    bf16_linear.c's int4 panels (uint8, one byte per output and pair of k: low nibble k, high k + 1) and the
+    scales as bf16 [K / G, N rounded up to 16] (zero for the padding outputs)."""
+    n, k = q.shape
+    n16 = n + -n % 16
+    q8 = q.to(torch.uint8)
+    pairs = q8[:, 0::2] | (q8[:, 1::2] << 4)  # [N, K / 2]
+    out = torch.full((n16 * k // 2,), 0x88, dtype=torch.uint8)  # padding outputs: code 8, weight 0
+    for p0 in range(0, n, PANEL):
+        width = min(PANEL, n16 - p0)
+        rows = pairs[p0:p0 + width]
+        out[p0 * k // 2:(p0 + width) * k // 2].view(k // 2, width)[:, :rows.shape[0]].copy_(rows.t())
+    gscale = torch.zeros(scale.shape[1], n16, dtype=torch.bfloat16)
+    gscale[:, :n] = scale.t().to(torch.bfloat16)
+    return out, gscale
 
 
 def unpack_vnni(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

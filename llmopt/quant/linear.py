@@ -6,7 +6,11 @@ with fp32 activations), run the kernel on a 2-D view, add the bias and cast back
 
 Kernels (torch 2.13) and when each module falls back to dequantize-then-matmul:
 
-* `Int4WeightOnlyLinear` — CPU: `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], tiles)`
+* `Int4WeightOnlyLinear` — CPU with AVX512-BF16, symmetric groups of an even size and bf16 activations:
+  our VNNI-panel kernel (`layers/bf16_linear.c`, `bf16_linear_int4`: nibbles turned into bf16 by one
+  table lookup, each group summed apart and folded in by its 16 outputs' scales; 1.2-2.4x tinygemm per
+  call from 1 to 64 rows, docs/BENCHMARKS.md). Otherwise on CPU:
+  `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], tiles)`
   → uint8 [N, K/2] and `aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group, sz)`.
   CUDA: `aten._convert_weight_to_int4pack(uint8 [N, K/2] = q[:, 0::2] << 4 | q[:, 1::2], tiles)`
   and `aten._weight_int4pack_mm`. Both compute w = (q − 8)·scale + zero with
@@ -169,6 +173,8 @@ class Int4WeightOnlyLinear(_QuantLinear):
             order = torch.argsort(g_idx.long(), stable=True)
             if torch.equal(g_idx[order], identity_g_idx(K, gs, g_idx.device)):
                 perm = order
+        if self._build_vnni(qw, perm):
+            return
         kg = next((g for g in INT4_KERNEL_GROUPS if gs % g == 0), None)
         usable = kg is not None and (perm is not None or not qw.is_act_order)
         if usable and self._device_type in ("cpu", "cuda"):
@@ -207,9 +213,33 @@ class Int4WeightOnlyLinear(_QuantLinear):
         self.register_buffer("g_idx", qw.g_idx.clone() if qw.is_act_order else None)
         self.group_size = gs
 
+    def _build_vnni(self, qw: QuantizedWeight, perm: torch.Tensor | None) -> bool:
+        """Our CPU kernel's layout (module doc) where it applies; False leaves the other paths to `_build`."""
+        from llmopt.layers.packed_linear import pack_int4_vnni, vnni_kernel
+
+        gs, K = qw.group_size, self.in_features
+        if (self._device_type != "cpu" or self.compute_dtype != torch.bfloat16 or qw.zero is not None
+                or (qw.is_act_order and perm is None) or gs % 2 or K % gs):
+            return False
+        kernel = vnni_kernel()
+        if kernel is None:
+            return False
+        q = qw.q if perm is None else qw.q[:, perm]
+        packed, gscale = pack_int4_vnni(q, qw.scale.float())
+        self.register_buffer("packed", packed)
+        self.register_buffer("gscale", gscale)
+        self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
+        self.kernel_group_size = gs
+        self._vnni = kernel
+        self.mode = "cpu-vnni-int4"
+        return True
+
     def _forward_kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
+        if self.mode == "cpu-vnni-int4":
+            return self._vnni.int4(x2.contiguous(), self.packed, self.gscale, self.kernel_group_size, None,
+                                   self.out_features)
         if self._device_type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, self.packed, self.kernel_group_size, self.scales_and_zeros
@@ -232,7 +262,7 @@ class Int4WeightOnlyLinear(_QuantLinear):
         """The float32 weight [out, in] this module effectively multiplies by (incl. kernel rounding)."""
         if self.mode == "dequant":
             return self._dequant_fallback(torch.float32)
-        dev = self.scales_and_zeros.device
+        dev = self.packed.device
         eye = torch.eye(self.in_features, device=dev, dtype=self.compute_dtype)
         # row i of eye·Wᵀ is column i of W; with act-order the kernel's own permutation of x's
         # columns maps it back to the original column order

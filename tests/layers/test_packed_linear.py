@@ -209,3 +209,25 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
         for got, want in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert got.keys() == want.keys()
             assert all(abs(got[t] - want[t]) <= 0.02 for t in got), (got, want)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 32), (130, 576, 64), (64, 256, 128), (100, 96, 96)])
+def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k, group):
+    """W4A16 on the VNNI panels (bf16_linear_int4): nibbles decoded exactly, each group summed and folded in by
+    its scale; rows that end mid-pass (3), at and past the widening threshold (16, 17) and outputs that are not
+    a whole vector or panel. Within the float32-summation bound of the dequantized float64 product."""
+    from llmopt.layers.packed_linear import pack_int4_vnni
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
+    w = (q.float() - 8) * s.repeat_interleave(group, 1)  # exact in float32 (a 4-bit code times a bf16 scale)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed, gscale = pack_int4_vnni(q, s)
+    assert packed.numel() == (n + -n % 16) * k // 2 and gscale.shape == (k // group, n + -n % 16)
+    for rows in (1, 2, 3, 4, 7, 16, 17, 40):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        got = vnni_kernel().int4(x, packed, gscale, group, bias, n)
+        ok, worst = within_bf16_linear_bound(got, x, w, bias)
+        assert ok, f"{rows} rows: error {worst:.2f}x the bound"

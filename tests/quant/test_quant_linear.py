@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from _qhelpers import correlated_inputs, rel_err
 
 from llmopt.errors import LlmoptError
+from llmopt.layers.packed_linear import vnni_kernel
 from llmopt.quant import (
     Fp8WeightOnlyLinear,
     Int4WeightOnlyLinear,
@@ -26,14 +27,17 @@ def _reference(x: torch.Tensor, qw, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.bfloat16(), qw.dequantize().bfloat16(), b)
 
 
+# symmetric int4 with even groups runs our VNNI kernel where this CPU has AVX512-BF16, else tinygemm's
+VNNI = "cpu-vnni-int4" if vnni_kernel() is not None else None
+
 INT4_CASES = [
     # (out, in, scheme, expected mode)
-    (64, 128, QuantScheme(bits=4, group_size=32), "cpu-int4pack"),
+    (64, 128, QuantScheme(bits=4, group_size=32), VNNI or "cpu-int4pack"),
     (40, 128, QuantScheme(bits=4, group_size=64, symmetric=False), "cpu-int4pack"),  # N padded to 48
-    (32, 192, QuantScheme(bits=4, group_size=-1), "cpu-int4pack"),  # per-channel -> kernel groups of 64
+    (32, 192, QuantScheme(bits=4, group_size=-1), VNNI or "cpu-int4pack"),  # per-channel: one group of 192
     (32, 128, QuantScheme(bits=4, group_size=128, symmetric=False), "cpu-int4pack"),
-    (32, 96, QuantScheme(bits=4, group_size=96), "cpu-int4pack"),  # 96 = 3 kernel groups of 32
-    (24, 64, QuantScheme(bits=4, group_size=16), "dequant"),  # kernel groups are >= 32
+    (32, 96, QuantScheme(bits=4, group_size=96), VNNI or "cpu-int4pack"),  # 96 = 3 kernel groups of 32
+    (24, 64, QuantScheme(bits=4, group_size=16), VNNI or "dequant"),  # tinygemm's groups are >= 32
 ]
 
 
@@ -55,7 +59,11 @@ def test_int4_linear_matches_dequant_reference(out_f, in_f, scheme, mode, with_b
     # packed: ~half a byte per weight, far below a bf16 copy
     dense_bf16 = out_f * in_f * 2
     assert m.weight_nbytes() <= out_f * in_f // 2 + 16 * in_f // 2 + 4 * out_f * in_f // 32 * 2 + 4 * in_f
-    assert m.weight_nbytes() < dense_bf16 / 2.5
+    if mode == "cpu-vnni-int4":  # exactly: nibbles of N rounded to 16 rows, and a bf16 scale a group and row
+        n16 = -(-out_f // 16) * 16
+        assert m.weight_nbytes() == n16 * in_f // 2 + in_f // m.kernel_group_size * n16 * 2
+    else:
+        assert m.weight_nbytes() < dense_bf16 / 2.5
 
 
 def test_int4_act_order_permutes_inputs_once():
@@ -65,7 +73,7 @@ def test_int4_act_order_permutes_inputs_once():
                           static_groups=False)
     assert qw.is_act_order
     m = Int4WeightOnlyLinear.from_quantized(qw)
-    assert m.mode == "cpu-int4pack" and m.perm is not None
+    assert m.mode == (VNNI or "cpu-int4pack") and m.perm is not None
     x = torch.randn(7, 128)
     assert rel_err(m(x), _reference(x, qw, None)) < BF16_TOL
     assert rel_err(m.dequantize(), qw.dequantize()) < 5e-3

@@ -82,7 +82,7 @@ def test_default_dtype_of_a_quantized_checkpoint_is_bf16(tiny_llama, tmp_path, m
     llm = LLM(str(out), device="cpu", num_kv_blocks=16)
     assert llm.engine.dtype == torch.bfloat16
     qkv = llm.engine.model.layers[0].self_attn.qkv_proj
-    assert qkv.mode == "cpu-int4pack" and qkv.compute_dtype == torch.bfloat16
+    assert qkv.mode in ("cpu-vnni-int4", "cpu-int4pack") and qkv.compute_dtype == torch.bfloat16
     # the float tensors are stored losslessly: a float32 load reproduces them bit for bit
     ref = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=16).engine.model
     got = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16).engine.model
