@@ -18,6 +18,7 @@ from llmopt.calibrate.run import DTYPES, CalibrationDataConfig, sample_windows
 from llmopt.calibrate.stats import SavedStats
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
+from llmopt.layers.attention.kv_codes import LARGEST
 from llmopt.models.shards import parse_shard_size
 from llmopt.quant.auto import AutoPlan, SearchOptions, measured_kl, search
 from llmopt.quant.deploy import deployment
@@ -27,8 +28,6 @@ from llmopt.quant.report import ModuleReport, QuantReport
 from llmopt.quant.sequential import QuantizedModule, SequentialOptions, SequentialQuantizer
 
 REPORT = "quantization_report.json"
-INT8_MAX = 127.0
-FP8_MAX = 448.0  # float8 e4m3's largest value
 
 
 def _calibration(cfg: QuantizeConfig, resolved, directory: Path, tokenizer,
@@ -151,10 +150,12 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         fill_module(model, checkpoint, prefix, device)
         load_s += time.perf_counter() - t
 
+    search_s = None
     if cfg.scheme == AUTO:
         assert windows is not None and cfg.target_bits is not None
         if plan is None or not plan.options:
             plan = _search(cfg, model, targets, windows, load, console, into=plan)
+            search_s = plan.seconds
         else:
             plan.reallocate(cfg.target_bits)
         targets = plan.apply(targets)
@@ -189,15 +190,14 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         kv = None
         if cfg.kv_cache is not None:
             assert result.k_absmax is not None and result.v_absmax is not None
+            k, v = result.k_absmax, result.v_absmax
             if cfg.kv_cache == "fp8":  # one scale per layer (vLLM's "tensor" strategy): the largest head's
-                kv = ((result.k_absmax.amax(1) / FP8_MAX).clamp(min=1e-8),
-                      (result.v_absmax.amax(1) / FP8_MAX).clamp(min=1e-8))
-            else:
-                kv = ((result.k_absmax / INT8_MAX).clamp(min=1e-8), (result.v_absmax / INT8_MAX).clamp(min=1e-8))
+                k, v = k.amax(1), v.amax(1)
+            kv = ((k / LARGEST[cfg.kv_cache]).clamp(min=1e-8), (v / LARGEST[cfg.kv_cache]).clamp(min=1e-8))
         t0 = time.perf_counter()
         shards = export.finish(checkpoint, directory, resolved.config, resolved.spec.tie_word_embeddings, kv)
         timings = {"load weights": load_s, "sample calibration data": sample_s,
-                   **({"choose precision (auto)": plan.seconds} if plan else {}), **result.timings,
+                   **({"choose precision (auto)": search_s} if search_s is not None else {}), **result.timings,
                    "write checkpoint": write_s + time.perf_counter() - t0}
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
