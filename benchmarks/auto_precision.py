@@ -76,7 +76,9 @@ def main() -> None:
     args = ap.parse_args()
     calib = {"calib_data": CALIB, "num_samples": args.num_samples, "seq_len": SEQ, "device": "cpu"}
     variants: dict[str, dict[str, Any]] = {
+        "w4a16 g64 RTN": {"scheme": "w4a16", "group_size": 64},
         "w4a16 g32 RTN": {"scheme": "w4a16", "group_size": 32},
+        **{f"auto {b} RTN": {"scheme": "auto", "target_bits": float(b), **calib} for b in args.budgets.split(",")[:1]},
         "w4a16 g64 GPTQ": {"scheme": "w4a16", "group_size": 64, "method": "gptq", **calib},
         "w4a16 g32 GPTQ": {"scheme": "w4a16", "group_size": 32, "method": "gptq", **calib},
         "w8a16 RTN": {"scheme": "w8a16"},
