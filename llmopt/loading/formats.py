@@ -186,10 +186,12 @@ def kv_cache_scales(resolved: ResolvedModel) -> KVCacheScales | None:
         return None
     # fp8 (what vLLM and llm-compressor use), or legacy int8 (llmopt before kv_cache_scales.json): per-layer
     # scalars in each layer's self_attn
+    # (int8: per layer or per head, fp8: one scale per layer, vLLM's "tensor")
     kind = {"float": "fp8", "int": "int8"}.get(kv.get("type"))
-    if kind is None or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic") or kv.get("strategy", "tensor") != "tensor":
-        raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static 8-bit float or int, "
-                          "one scale per layer)")
+    if (kind is None or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic")
+            or (kind == "fp8" and kv.get("strategy", "tensor") != "tensor")):
+        raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static 8-bit: float with one "
+                          "scale per layer, or int)")
     ts = CheckpointTensors(weights_dir(resolved))
     k, v = [], []
     for i in range(s.num_layers):

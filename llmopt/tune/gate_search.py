@@ -20,12 +20,13 @@ from typing import Any
 
 from rich.console import Console
 
+import llmopt.quant.pipeline as pipeline  # called through the module, so tests can stand in for it
 from llmopt.errors import GateFailed
 from llmopt.eval.compare import check_inputs, run_eval
 from llmopt.eval.options import EvalOptions
 from llmopt.io import atomic_directory, check_output_dir
 from llmopt.quant.auto import AutoPlan
-from llmopt.quant.pipeline import REPORT, auto_bounds, quantize_model
+from llmopt.quant.pipeline import REPORT, auto_bounds
 from llmopt.quant.recipe import QuantizeConfig
 from llmopt.quant.report import QuantReport
 
@@ -36,7 +37,7 @@ def quantize(cfg: QuantizeConfig, console: Console | None = None) -> QuantReport
     """`llmopt quantize`: with `--gate`, the gate search; otherwise one quantization (`quantize_model`)."""
     if cfg.gate:
         return quantize_to_gate(cfg, console)
-    return quantize_model(cfg, console)
+    return pipeline.quantize_model(cfg, console)
 
 
 def _eval_options(cfg: QuantizeConfig, candidate: str | None) -> EvalOptions:
@@ -60,8 +61,8 @@ def quantize_to_gate(cfg: QuantizeConfig, console: Console | None = None) -> Qua
         nonlocal best
         out = work / f"bits-{bits:.4f}"
         console.print(f"[cyan]gate search:[/] trying {bits:.3f} bits per weight", highlight=False)
-        report = quantize_model(cfg.model_copy(update={"target_bits": bits, "gate": [], "output": out}),
-                                console, plan=plan)
+        report = pipeline.quantize_model(cfg.model_copy(update={"target_bits": bits, "gate": [], "output": out}),
+                                         console, plan=plan)
         ev = run_eval(_eval_options(cfg, str(out)))
         passed = ev.passed
         assert report.auto is not None
