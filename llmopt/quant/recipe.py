@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.errors import LlmoptError
-from llmopt.gates import parse_gate
+from llmopt.gates import parse_confidence_gates
 from llmopt.group_size import W4_DEFAULT_GROUPS
 from llmopt.models.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from llmopt.quant.fp8 import FP8_SCHEME
@@ -171,11 +171,10 @@ class QuantizeConfig(BaseModel):
                                  "not both")
             if self.gate and self.eval_data is None:
                 raise ValueError("--gate needs --eval-data PATH: held-out text to score each candidate on")
-            for g in self.gate:
-                try:
-                    parse_gate(g)
-                except LlmoptError as e:
-                    raise ValueError(str(e)) from None
+            try:
+                parse_confidence_gates(self.gate)  # as `llmopt eval --gate` reads them (`@95` too)
+            except LlmoptError as e:
+                raise ValueError(str(e)) from None
             if self.format == "gptq":
                 raise ValueError("the gptq format holds one scheme for the whole model; --scheme auto writes "
                                  "--format compressed-tensors")

@@ -121,3 +121,9 @@ def test_when_no_budget_passes_nothing_is_written(tiny_llama, tmp_path):
     with pytest.raises(GateFailed, match="no checkpoint passes kl_div<0: even 8.222 bits per weight fails"):
         quantize(QuantizeConfig(model=str(tiny_llama), gate=["kl_div<0"], output=out, **GATE_OPTIONS))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gate_takes_what_eval_takes(tmp_path):
+    cfg = QuantizeConfig(model="x", scheme="auto", gate=["kl_div<=0.05@95", "ppl_increase_pct<=3"],
+                         eval_data=tmp_path / "held-out.txt", output=tmp_path / "q")
+    assert cfg.gate == ["kl_div<=0.05@95", "ppl_increase_pct<=3"] and cfg.needs_data

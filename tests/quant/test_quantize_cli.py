@@ -58,6 +58,7 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--calib-data", str(KB)], "--gate needs --eval-data"),
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--target-bits", "5", "--eval-data", str(KB)], "not both"),
     (["--scheme", "auto", "--gate", "kl <= x", "--eval-data", str(KB)], "cannot parse gate 'kl <= x'"),
+    (["--scheme", "auto", "--gate", "kl_div<=0.1@120", "--eval-data", str(KB)], "a percentage between 50 and 100"),
     (["--scheme", "auto", "--gate", "acc_drop<=1", "--eval-data", str(KB), "--calib-data", str(KB)],
      "this run does not measure 'acc_drop'"),
     (["--scheme", "auto", "--gate", "kl_div<=1", "--eval-data", "no-such.txt", "--calib-data", str(KB)],
