@@ -468,7 +468,7 @@ def quantize(
     from pathlib import Path
 
     from llmopt.quant.recipe import QuantizeConfig
-    from llmopt.tune.gate_search import quantize as quantize_model
+    from llmopt.tune.gate_search import quantize as run_quantize
 
     _one_flag_per_source("--calib-data", calib_data, model, ctx.args)
     cfg = QuantizeConfig(model=model, scheme=scheme, method=method, group_size=group_size, symmetric=sym,
@@ -480,7 +480,7 @@ def quantize(
                          eval_data=Path(eval_data) if eval_data else None, eval_seq_len=eval_seq_len,
                          eval_max_tokens=eval_max_tokens,
                          **({"candidates": [c.strip() for c in candidates.split(",")]} if candidates else {}))
-    report = quantize_model(cfg, err_console)
+    report = run_quantize(cfg, err_console)
     if as_json:
         _print_json(report.model_dump(mode="json"))
     else:

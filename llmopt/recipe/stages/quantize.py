@@ -49,10 +49,10 @@ class QuantizeStage(Stage):
         return {"config": s.model_dump(mode="json")}
 
     def run(self, ctx: StageContext, out: Path) -> StageOutcome:
-        from llmopt.tune.gate_search import quantize as quantize_model
+        from llmopt.tune.gate_search import quantize as run_quantize
 
         cfg = quantize_config(ctx.rr, out, ctx.artifacts.get("calibrate"))
-        report = quantize_model(cfg, ctx.console)
+        report = run_quantize(cfg, ctx.console)
         report.render(ctx.console)
         werr = [m.weight_rel_err for m in report.modules]
         oerr = [m.output_rel_err for m in report.modules if m.output_rel_err is not None]
