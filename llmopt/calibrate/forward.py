@@ -38,6 +38,16 @@ class CalibBatch:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    @property
+    def stream(self) -> torch.Tensor:
+        """The residual stream entering the next layer (`residual_stream` of the two halves kept)."""
+        return residual_stream(self.hidden, self.residual)
+
+
+def residual_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream a layer leaves: our layers return the pre-norm add's two halves."""
+    return hidden if residual is None else hidden + residual
+
 
 class KVObserver:
     """Duck-typed `PagedKVCache` for whole-window prefills: records per-layer, per-head K/V absmax."""

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from llmopt.calibrate.forward import CalibBatch, InputHook, KVObserver, embed_batches, layer_copy
+from llmopt.calibrate.forward import (
+    CalibBatch,
+    InputHook,
+    KVObserver,
+    embed_batches,
+    layer_copy,
+    residual_stream,
+)
 from llmopt.errors import LlmoptError
 from llmopt.group_size import is_valid_group_size
 from llmopt.models.base import CausalLM
@@ -46,7 +53,6 @@ from llmopt.quant.targets import Target
 
 SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on (the first windows)
 FISHER_SAMPLES = 4  # sampled next tokens per position for tr F_t
-FLOAT = "bf16"  # the candidate that leaves a linear unquantized (stored in bfloat16)
 _CHUNK = 256  # tokens per head evaluation (a 262k vocabulary: 256 MB of float32 logits)
 
 
@@ -92,6 +98,20 @@ class AutoPlan:
     @property
     def predicted_kl(self) -> float:
         return sum(o.kl for o in self.choice.values())
+
+    @classmethod
+    def for_targets(cls, model: CausalLM, targets: list[Target], candidates: list[str], symmetric: bool,
+                    target_bits: float) -> AutoPlan:
+        """The options and weight counts of `targets` that carry a scheme, from the model's shapes alone (the
+        meta device will do), nothing measured yet; raises when a linear has no candidate."""
+        searched = [t for t in targets if t.scheme is not None]
+        options = {t.module: candidate_options(t, candidates, symmetric) for t in searched}
+        missing = [t for t in searched if not options[t.module]]
+        if missing:
+            raise LlmoptError(f"no candidate's group size divides the input width {missing[0].in_features} of "
+                              f"{next(iter(missing[0].parts))}; add w8a16 or bf16 to --candidates")
+        weights = {t.module: model.get_submodule(t.module).weight.numel() for t in searched}
+        return cls(target_bits, options, weights)
 
     def reallocate(self, target_bits: float) -> None:
         """Choose again, from the same measurements, under another budget."""
@@ -205,12 +225,6 @@ def _quantize(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | Non
     return rtn_quantize(w, ws)
 
 
-def _stream(out: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    """The residual stream a layer leaves (our layers return the pre-norm add's two halves)."""
-    hidden, residual = out
-    return hidden if residual is None else hidden + residual
-
-
 def _run(layer, b: CalibBatch, cache: KVObserver) -> tuple[torch.Tensor, torch.Tensor | None]:
     return layer(b.rope, b.hidden, b.residual, cache, b.meta)
 
@@ -236,15 +250,10 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     one module), for the `targets` that carry a scheme; returns the plan to `apply` (`into`, filled in
     place, when given)."""
     t0 = time.perf_counter()
-    searched = [t for t in targets if t.scheme is not None]
-    options = {t.module: candidate_options(t, opts.candidates, opts.symmetric) for t in searched}
-    missing = [t for t in searched if not options[t.module]]
-    if missing:
-        raise LlmoptError(f"no candidate's group size divides the input width {missing[0].in_features} of "
-                          f"{next(iter(missing[0].parts))}; add w8a16 or bf16 to --candidates")
-    # shapes are known on the meta device, so an impossible budget fails before any measuring
-    weights = {t.module: model.get_submodule(t.module).weight.numel() for t in searched}
-    allocate(options, weights, target_bits)
+    shapes = AutoPlan.for_targets(model, targets, opts.candidates, opts.symmetric, target_bits)
+    options, weights = shapes.options, shapes.weights
+    searched = [t for t in targets if t.module in options]
+    allocate(options, weights, target_bits)  # an impossible budget fails before any measuring
     sample = windows[: max(1, SAMPLE_TOKENS // windows.shape[1])]
     load("embed_tokens")
     batches = embed_batches(model, sample, max(1, opts.batch_tokens // sample.shape[1]), opts.forward_dtype)
@@ -263,7 +272,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         with InputHook({rel: fwd.get_submodule(rel) for rel in hessians},
                        lambda rel, x, hs=hessians: hs[rel].add_batch(x)).installed():
             ref = [_run(fwd, b, cache) for b in batches]
-        ref_stream = [_stream(r) for r in ref]
+        ref_stream = [residual_stream(*r) for r in ref]
         for rel, t in mine.items():
             lin = fwd.get_submodule(rel)
             kept = lin.weight.data
@@ -275,7 +284,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
                 qw = _quantize(w, o.scheme, h, opts.damp, opts.block_size, opts.act_order, opts.static_groups)
                 lin.weight.data = qw.dequantize(opts.forward_dtype)
                 sq_err[(t.module, o.candidate)] = torch.cat([
-                    (_stream(_run(fwd, b, cache)).float() - s.float()).pow(2).sum(-1)
+                    (residual_stream(*_run(fwd, b, cache)).float() - s.float()).pow(2).sum(-1)
                     for b, s in zip(batches, ref_stream, strict=True)]).cpu()
             lin.weight.data = kept
             del w, h
@@ -285,7 +294,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         release(f"layers.{i}")
         if progress:
             progress(i)
-    reference = torch.cat([_stream((b.hidden, b.residual)) for b in batches]).float()
+    reference = torch.cat([b.stream for b in batches]).float()
     del batches
     fisher = _fisher_trace(model, reference, load, release) / reference.shape[-1]  # [T] tr F_t / d
     for (m, cand), err in sq_err.items():

@@ -82,15 +82,11 @@ def auto_bounds(cfg: QuantizeConfig) -> tuple[float, float]:
     everywhere, from the model's shapes alone (nothing is read but config.json)."""
     from llmopt.models.loader import build_empty
     from llmopt.models.resolve import resolve_model
-    from llmopt.quant.auto import candidate_options
     from llmopt.quant.targets import plan_targets
 
     model = build_empty(resolve_model(cfg.model), torch.float32, "meta")
     targets, _ = plan_targets(model, cfg)
-    searched = [t for t in targets if t.scheme is not None]
-    plan = AutoPlan(0.0, {t.module: candidate_options(t, cfg.candidates, cfg.symmetric) for t in searched},
-                    {t.module: model.get_submodule(t.module).weight.numel() for t in searched})
-    return plan.bounds()
+    return AutoPlan.for_targets(model, targets, cfg.candidates, cfg.symmetric, 0.0).bounds()
 
 
 def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: AutoPlan | None = None) -> QuantReport:

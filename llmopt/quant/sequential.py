@@ -228,7 +228,7 @@ class SequentialQuantizer:
             for b in batches:
                 if n >= self.keep_final:
                     break
-                parts.append((b.hidden if b.residual is None else b.hidden + b.residual)[: self.keep_final - n].float())
+                parts.append(b.stream[: self.keep_final - n].float())
                 n += parts[-1].shape[0]
             final = torch.cat(parts)
         return SequentialResult(modules, kv[0], kv[1], self.timings, self.notes, final)
