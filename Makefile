@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.llmopt-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench clean interop bench-peers quant-peers bench-big
+.PHONY: install demo test test-fast lint bench clean interop bench-peers quant-peers quant-frontier bench-big
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,14 @@ bench-peers: install
 quant-peers: install
 	bash benchmarks/peers/install_llmcompressor.sh
 	$(PY) benchmarks/peers/quant_peers.py --write-doc $(QUANT_PEERS_ARGS)
+
+# Not part of `make test`: builds llama.cpp's tools (llama-imatrix too), then checkpoint bytes against held-out
+# perplexity for our quantizers, --scheme auto and llama.cpp's k-quant ladder with an importance matrix, on
+# SmolLM2 and Gemma 3 270M (about an hour on 2 cores); table and plot into docs/QUANTIZE.md ("The frontier")
+quant-frontier: install
+	bash benchmarks/peers/install_llamacpp.sh
+	$(PY) benchmarks/quant_frontier.py --model smollm2-135m --write-doc $(FRONTIER_ARGS)
+	$(PY) benchmarks/quant_frontier.py --model gemma3-270m --write-doc $(FRONTIER_ARGS)
 
 # Not part of `make test`: a seeded random Llama-3-8B (16 GB in bf16, needs 40 GB of free disk) through quantize,
 # generate and eval, each stage's peak memory (docs/BENCHMARKS.md, "Models of the size people deploy");

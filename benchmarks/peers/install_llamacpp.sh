@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-quantize for the peer benchmark, once; later calls reuse it.
-#   benchmarks/peers/install_llamacpp.sh        -> .peers/llama.cpp/bin/{llama-server,llama-quantize}
+# Build llama.cpp's llama-server, llama-quantize and llama-imatrix for the peer benchmarks, once; later calls
+# reuse it.
+#   benchmarks/peers/install_llamacpp.sh        -> .peers/llama.cpp/bin/{llama-server,llama-quantize,llama-imatrix}
 #                                                  .peers/llama.cpp/models/smollm2-135m-{bf16,q8_0,q4_0}.gguf
 #                                                  .peers/llama.cpp/BUILD_INFO (flags, source, AMX smoke result)
 # The source is the llama.cpp vendored in the llama-cpp-python sdist from PyPI (vendor/llama.cpp), so
@@ -61,14 +62,14 @@ NOAMX_FLAGS=(-DGGML_NATIVE=OFF -DGGML_SSE42="$(onoff sse4_2)" -DGGML_AVX="$(onof
 build() {  # build NAME FLAGS... -> $DIR/build-NAME/bin
   local name=$1; shift
   local b=$DIR/build-$name
-  if [[ -x $b/bin/llama-server && -x $b/bin/llama-quantize && -f $b/.flags ]] && [[ "$(cat "$b/.flags")" == "$*" ]]; then
+  if [[ -x $b/bin/llama-server && -x $b/bin/llama-quantize && -x $b/bin/llama-imatrix && -f $b/.flags ]] && [[ "$(cat "$b/.flags")" == "$*" ]]; then
     log "reusing $b"; return
   fi
   log "configuring $b: $*"
   cmake -S "$SRC" -B "$b" "${COMMON[@]}" "$@" > "$DIR/cmake-$name.log" 2>&1 \
     || { tail -30 "$DIR/cmake-$name.log" >&2; exit 1; }
-  log "building llama-server llama-quantize with -j$JOBS (minutes; log $DIR/build-$name.log)"
-  cmake --build "$b" --config Release -j "$JOBS" --target llama-server llama-quantize > "$DIR/build-$name.log" 2>&1 \
+  log "building llama-server llama-quantize llama-imatrix with -j$JOBS (minutes; log $DIR/build-$name.log)"
+  cmake --build "$b" --config Release -j "$JOBS" --target llama-server llama-quantize llama-imatrix > "$DIR/build-$name.log" 2>&1 \
     || { tail -30 "$DIR/build-$name.log" >&2; exit 1; }
   echo "$*" > "$b/.flags"
 }
@@ -150,6 +151,7 @@ record() {  # record NAME FLAGS...
   mkdir -p "$DIR/bin"
   ln -sf "../build-$name/bin/llama-server" "$DIR/bin/llama-server"
   ln -sf "../build-$name/bin/llama-quantize" "$DIR/bin/llama-quantize"
+  ln -sf "../build-$name/bin/llama-imatrix" "$DIR/bin/llama-imatrix"
   ln -sfn "../src/gguf-py" "$DIR/bin/gguf-py"
   ln -sf "../src/convert_hf_to_gguf.py" "$DIR/bin/convert_hf_to_gguf.py"
   {
@@ -164,7 +166,7 @@ record() {  # record NAME FLAGS...
   cat "$DIR/BUILD_INFO" >&2
 }
 
-if [[ -x $DIR/bin/llama-server && -f $DIR/BUILD_INFO && -f $MODELS/smollm2-135m-q4_0.gguf ]]; then
+if [[ -x $DIR/bin/llama-server && -x $DIR/bin/llama-imatrix && -f $DIR/BUILD_INFO && -f $MODELS/smollm2-135m-q4_0.gguf ]]; then
   log "llama.cpp already installed in $DIR"; cat "$DIR/BUILD_INFO" >&2; exit 0
 fi
 

@@ -33,7 +33,12 @@ SCHEMES: dict[str, dict | None] = {
     "fp8": {"scheme": "fp8"},
     "w8a8": {"scheme": "w8a8"},
     "w8a16-kv-int8": {"scheme": "w8a16", "kv_cache": "int8"},
+    "w8a16-kv-fp8": {"scheme": "w8a16", "kv_cache": "fp8"},
+    # a mixed checkpoint: each linear int4 g64 or int8 per channel, chosen by --scheme auto under 6 bits/weight
+    "auto-w4-w8": {"scheme": "auto", "target_bits": 6.0, "candidates": ["w4a16-g64", "w8a16"]},
 }
+# what vLLM must be told besides the checkpoint: it reads the fp8 kv_cache_scheme's k/v scales only for an fp8 cache
+VLLM_ARGS: dict[str, dict] = {"w8a16-kv-fp8": {"kv_cache_dtype": "fp8"}}
 CALIB = ["calibration_data/general_prose.jsonl", "calibration_data/kb_calibration.jsonl"]
 PROMPTS = ["The capital of France is", "A KV cache stores", "def fibonacci(n):\n",
            "The three primary colours are"]
@@ -58,7 +63,7 @@ def _checkpoint(model: str, name: str, opts: dict | None, out: Path) -> str:
 
     path = out / name
     if not (path / "config.json").is_file():
-        needs = opts.get("method") in ("gptq", "awq") or opts["scheme"] == "w8a8" or opts.get("kv_cache")
+        needs = opts.get("method") in ("gptq", "awq") or opts["scheme"] in ("w8a8", "auto") or opts.get("kv_cache")
         quantize_model(QuantizeConfig(model=model, output=path, device="cpu", calib_data=CALIB if needs else [],
                                       num_samples=64, seq_len=512, **opts))
     return str(path)
@@ -83,7 +88,8 @@ def _vllm(name: str, python: str, path: str, dtype: str, prompts, max_tokens: in
           threads: int, extra_env: dict[str, str]) -> dict:
     job = work / f"{name}.job.json"
     job.write_text(json.dumps({"model": path, "dtype": dtype, "max_model_len": max(map(len, windows)) + 8,
-                               "prompts": prompts, "max_tokens": max_tokens, "windows": windows}))
+                               "prompts": prompts, "max_tokens": max_tokens, "windows": windows,
+                               "llm_args": VLLM_ARGS.get(name, {})}))
     result = work / f"{name}.vllm.json"
     result.unlink(missing_ok=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),

@@ -29,7 +29,7 @@ def main(job_path: str, out_path: str) -> None:
         from vllm.inputs import TokensPrompt
 
         llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
-                  enforce_eager=True)
+                  enforce_eager=True, **job.get("llm_args", {}))
         greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]],
                               SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True))
         scored = llm.generate([TokensPrompt(prompt_token_ids=w) for w in job["windows"]],

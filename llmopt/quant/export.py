@@ -1,11 +1,13 @@
 """Write a quantized model as a Hugging Face checkpoint in the GPTQ or compressed-tensors format.
 
-Quantized fused weights are split back into HF projections by rows (see `rows`); nothing else is lost:
-the embeddings, final norm and lm_head are copied from the source as it stores them, and the norms
-inside layers (with any AWQ/SmoothQuant folding applied) and ignored linears are written in float32,
-the quantizer's working dtype (a linear `--scheme auto` leaves float: in bfloat16, as its budget counts it).
-config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the int4/int8 kernels then run
-on bf16 activations, their fast path; `--dtype float32` still loads every stored tensor exactly.
+Quantized fused weights are split back into HF projections by rows (see `rows`). The embeddings, final
+norm and lm_head are copied from the source, and the norms inside layers (with any AWQ/SmoothQuant folding
+applied) and ignored linears come from the quantizer's float32 copy (a linear `--scheme auto` leaves float:
+in bfloat16, as its budget counts it). config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the
+int4/int8 kernels then run on bf16 activations, their fast path, and every float tensor is cast to bf16 on
+load. So by default (`float_dtype`) float32 tensors are stored in bf16: a GGUF-derived model's float32
+embedding is most of a small model's checkpoint (113 of SmolLM2's 173 MB at W4A16). With `--float-dtype
+source` they keep the source's dtype, and `--dtype float32` loads them exactly.
 
 Calibrated INT8 KV-cache scales go to `kv_cache_scales.json` (llmopt/quant/kv_scales.py), never into
 `quantization_config`: an int8 `kv_cache_scheme` makes vLLM refuse the whole checkpoint. FP8 ones are
@@ -53,9 +55,16 @@ INT8_TOKEN_ACTIVATIONS: dict[str, Any] = {
 }
 
 
-def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+def stored(tensor: torch.Tensor, float_dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as the checkpoint stores it: a float32 one in `float_dtype` when given (never widened, and
+    narrower floats such as fp16 are not re-rounded into another 16-bit format)."""
+    return tensor.to(float_dtype) if float_dtype is not None and tensor.dtype == torch.float32 else tensor
+
+
+def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str], bool],
+                  float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor not replaced by quantized ones whose parameter name `within` takes, under HF names (fused
-    float linears split by rows)."""
+    float linears split by rows), float32 ones as `stored` in `float_dtype`."""
     quantized = {t.module for t in targets if t.scheme is not None}
     cast = {t.module: t.store_dtype for t in targets if t.store_dtype is not None}
     linears = dict(iter_linears(model))
@@ -68,9 +77,9 @@ def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str]
             continue
         if mod_name in linears:
             for hf, (lo, hi) in hf_parts(model, mod_name, linears[mod_name]).items():
-                out[f"{hf}.{kind}"] = p.data[lo:hi].to(cast.get(mod_name, p.dtype)).contiguous().cpu()
+                out[f"{hf}.{kind}"] = stored(p.data[lo:hi].to(cast.get(mod_name, p.dtype)), float_dtype).contiguous().cpu()
         else:
-            out[type(model).hf_module_name(name)] = p.data.contiguous().cpu()
+            out[type(model).hf_module_name(name)] = stored(p.data, float_dtype).contiguous().cpu()
     return out
 
 
@@ -145,15 +154,17 @@ def _checkpoint_order(name: str) -> tuple:
 
 class CheckpointExport:
     """Writes a quantized checkpoint into `out` as its decoder layers finish (the streamed quantizer hands
-    each one over, then frees it), then the rest: embeddings, final norm and head (as the source stores
-    them), config.json (with quantization_config), tokenizer and generation config, and
+    each one over, then frees it), then the rest: embeddings, final norm and head (float32 ones in
+    `float_dtype` when given, see `stored`), config.json (with quantization_config), tokenizer and generation config, and
     the KV scales when given: int8 [layers, kv_heads] K and V in `kv_cache_scales.json`, fp8 [layers] as each
     layer's `self_attn.k_scale` / `v_scale` (compressed-tensors' kv_cache_scheme, which vLLM reads). Tensors go to
     safetensors shards of at most `max_shard_bytes` (`models.shards`) as they come."""
 
     def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
-                 max_shard_bytes: int, static_groups: bool = True, kv_cache: str | None = None) -> None:
+                 max_shard_bytes: int, static_groups: bool = True, kv_cache: str | None = None,
+                 float_dtype: torch.dtype | None = None) -> None:
         self.out, self.targets, self.fmt, self.kv_cache = out, targets, fmt, kv_cache
+        self.float_dtype = float_dtype
         self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups, kv_cache)  # fails early
         self.writer = ShardWriter(out, max_shard_bytes)
 
@@ -163,7 +174,7 @@ class CheckpointExport:
     def add_layer(self, model: CausalLM, index: int, modules: dict[str, QuantizedModule]) -> None:
         """Decoder layer `index`: its float tensors (norms, with any AWQ/SmoothQuant folding) and `modules`."""
         prefix = f"layers.{index}."
-        tensors = float_tensors(model, self.targets, lambda name: name.startswith(prefix))
+        tensors = float_tensors(model, self.targets, lambda name: name.startswith(prefix), self.float_dtype)
         for qm in modules.values():
             tensors.update(_module_tensors(qm, self.fmt))
         self._add(tensors)
@@ -171,11 +182,12 @@ class CheckpointExport:
     def finish(self, source: CheckpointTensors, source_dir: Path, source_config: dict[str, Any], tied: bool,
                kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[Path]:
         """Everything outside the decoder layers (embeddings, final norm, head: never quantized nor folded), copied
-        from the `source` checkpoint one tensor at a time, in its own dtype; returns the shard files."""
+        from the `source` checkpoint one tensor at a time (float32 ones `stored` in `float_dtype`); returns the
+        shard files."""
         outer = [name for name in sorted(source.names(), key=_checkpoint_order)
                  if not (name.startswith("model.layers.") or "rotary_emb" in name or (tied and name == "lm_head.weight"))]
         for name, tensor in source.read(outer):
-            self._add({name: tensor})
+            self._add({name: stored(tensor, self.float_dtype)})
         if kv_scales is not None and self.kv_cache == "fp8":
             k, v = kv_scales
             self._add({f"model.layers.{i}.self_attn.{kind}_scale": s[i].reshape(()).float().clone()

@@ -159,7 +159,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         plan = None
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
-                                  static_groups=cfg.static_groups, kv_cache=cfg.kv_cache)
+                                  static_groups=cfg.static_groups, kv_cache=cfg.kv_cache,
+                                  float_dtype=torch.bfloat16 if cfg.float_dtype == "bf16" else None)
 
         def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
             nonlocal write_s

@@ -111,6 +111,9 @@ class QuantizeConfig(BaseModel):
     ignore: list[str] = []
     override: list[str] = []
     kv_cache: Literal["int8", "fp8"] | None = None
+    # what stays float32 in the source (a GGUF-derived model's embedding, norms, head) is stored as: bf16 (what
+    # config.json's torch_dtype runs it in anyway, half the bytes) or as the source stores it
+    float_dtype: Literal["bf16", "source"] = "bf16"
     format: Format = "compressed-tensors"
     output: Path
     overwrite: bool = False

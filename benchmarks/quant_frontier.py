@@ -1,0 +1,327 @@
+"""The quality frontier: whole-checkpoint bytes against held-out perplexity, for our quantizers and llama.cpp's.
+
+    make quant-frontier      # llama.cpp's tools (benchmarks/peers/install_llamacpp.sh), then SmolLM2 and Gemma 3
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quant_frontier.py --model smollm2-135m \\
+        [--tokens 16384] [--num-samples 16] [--budgets 4.5,5,6] [--only LABEL,...] [--reuse] [--write-doc]
+
+One protocol for every point (issue #32, part 6):
+
+* Calibration: `llmopt calibrate` draws --num-samples windows of 512 tokens once (the shipped
+  general_prose.jsonl and kb_calibration.jsonl mixed 1:1, seed 0). Our GPTQ, AWQ and `--scheme auto` use
+  those windows (`--calib`); llama.cpp's `llama-imatrix` reads the same windows, decoded back to text, in
+  chunks of 512 tokens, and every llama.cpp type is quantized with that importance matrix.
+* llama.cpp starts from the same float32 weights our quantizers load (the model's HF folder, converted by
+  its own `convert_hf_to_gguf.py --outtype f32`); its ladder is --ladder (Q3_K_M ... Q8_0).
+* Ours: RTN, GPTQ (act-order, the default) and AWQ at every group size of 32/64/128 that divides the model's
+  linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears).
+  Checkpoints are compressed-tensors as `llmopt quantize` writes them by default: what stays unquantized (the
+  embedding, tied to the head, and the norms) in bf16.
+* Bytes: every tensor the checkpoint stores (safetensors files; a GGUF's tensor data, without its tokenizer
+  metadata), embedding and head included.
+* Scoring: the same code for every point, our engine in float32 as `llmopt eval --ppl-data F --seq-len 512
+  --max-tokens N` scores (the text tokenized by the source model's tokenizer once, non-overlapping windows).
+  A GGUF is dequantized by transformers (as `llmopt` loads any .gguf). Two held-out texts, never the
+  calibration text: the first --tokens tokens of ../shared/data/wikitext2-valid.txt and of
+  tinyshakespeare.txt.
+
+Results go to runs/quant-frontier/<model>/frontier.json after each point (--reuse keeps finished points),
+the table to stdout, the plot to docs/quant-frontier-<model>.png and, with --write-doc, the table into
+docs/QUANTIZE.md between this model's markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TEXTS = {"wikitext2": ROOT.parent / "shared/data/wikitext2-valid.txt",
+         "tinyshakespeare": ROOT.parent / "shared/data/tinyshakespeare.txt"}
+CALIB = [str(ROOT / "calibration_data/general_prose.jsonl"), str(ROOT / "calibration_data/kb_calibration.jsonl")]
+LLAMACPP = ROOT / ".peers/llama.cpp"
+LADDER = "Q3_K_M,Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0"
+DOC = ROOT / "docs/QUANTIZE.md"
+SEQ = 512
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def doc_markers(model: str) -> tuple[str, str]:
+    return (f"<!-- quant-frontier:{model}:begin (written by benchmarks/quant_frontier.py --write-doc) -->",
+            f"<!-- quant-frontier:{model}:end -->")
+
+
+# ------------------------------------------------------------------------------------------------ the points
+def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any]]:
+    """label -> QuantizeConfig options, for every group size that divides each linear's input width."""
+    import torch
+
+    from llmopt.group_size import is_valid_group_size
+    from llmopt.layers.linear import iter_linears
+    from llmopt.models.loader import build_empty
+    from llmopt.models.resolve import resolve_model
+
+    empty = build_empty(resolve_model(str(model_dir)), torch.float32, "cpu")  # meta: shapes only
+    widths = {m.weight.shape[1] for _, m in iter_linears(empty)}
+    points: dict[str, dict[str, Any]] = {}
+    for method in ("rtn", "gptq", "awq"):
+        for g in (128, 64, 32):
+            if is_valid_group_size(widths, g):
+                points[f"W4A16 g{g} {method.upper()}"] = {"scheme": "w4a16", "group_size": g, "method": method}
+    points["W8A16 RTN"] = {"scheme": "w8a16"}
+    for b in budgets:
+        points[f"auto {b:g} bits GPTQ"] = {"scheme": "auto", "target_bits": b, "method": "gptq"}
+    return points
+
+
+def quantize_ours(model: str, opts: dict[str, Any], out: Path, calib: Path) -> dict[str, Any]:
+    from llmopt.quant.pipeline import quantize_model
+    from llmopt.quant.recipe import QuantizeConfig
+
+    kw = dict(opts)
+    if kw.get("method", "rtn") != "rtn" or kw["scheme"] == "auto":
+        kw["calib"] = calib
+    t0 = time.perf_counter()
+    report = quantize_model(QuantizeConfig(model=model, output=out, overwrite=True, device="cpu", **kw))
+    extra: dict[str, Any] = {"quantize_s": round(time.perf_counter() - t0, 1)}
+    if report.auto:
+        extra |= {"bits": report.auto["bits"], "predicted_kl": report.auto["predicted_kl"],
+                  "measured_kl": report.auto["measured_kl"]}
+    return extra
+
+
+def checkpoint_bytes(path: Path) -> int:
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return int(sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors))
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------- llama.cpp
+def llamacpp_tools() -> dict[str, Path]:
+    tools = {"quantize": LLAMACPP / "bin/llama-quantize", "imatrix": LLAMACPP / "bin/llama-imatrix",
+             "convert": LLAMACPP / "bin/convert_hf_to_gguf.py", "python": ROOT / ".peers/llamacpp-py/bin/python"}
+    missing = [str(p) for p in tools.values() if not p.exists()]
+    if missing:
+        raise SystemExit(f"error: {missing[0]} missing: run benchmarks/peers/install_llamacpp.sh (make quant-frontier does)")
+    return tools
+
+
+def _run(cmd: list[str], logfile: Path) -> None:
+    with logfile.open("w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
+    if r.returncode:
+        tail = logfile.read_text(errors="replace").strip().splitlines()[-5:]
+        raise SystemExit(f"error: {Path(cmd[0]).name} failed (rc {r.returncode}, {logfile}): {' | '.join(tail)}")
+
+
+def llamacpp_sources(model_dir: Path, calib_text: Path, chunks: int, work: Path, threads: int) -> tuple[Path, Path]:
+    """The f32 GGUF of `model_dir` and its importance matrix on the calibration text (once; reused)."""
+    tools = llamacpp_tools()
+    f32 = work / "source-f32.gguf"
+    if not f32.is_file():
+        log(f"convert_hf_to_gguf.py {model_dir} -> {f32.name}")
+        _run([str(tools["python"]), str(tools["convert"]), str(model_dir), "--outtype", "f32",
+              "--outfile", str(f32) + ".tmp"], work / "convert.log")
+        os.replace(str(f32) + ".tmp", f32)
+    imatrix = work / "imatrix.gguf"
+    if not imatrix.is_file():
+        log(f"llama-imatrix on {chunks} chunks of {SEQ} calibration tokens")
+        _run([str(tools["imatrix"]), "-m", str(f32), "-f", str(calib_text), "-c", str(SEQ), "--chunks", str(chunks),
+              "-t", str(threads), "-o", str(imatrix) + ".tmp.gguf"], work / "imatrix.log")
+        os.replace(str(imatrix) + ".tmp.gguf", imatrix)
+    return f32, imatrix
+
+
+def quantize_llamacpp(kind: str, f32: Path, imatrix: Path, out: Path, threads: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    _run([str(llamacpp_tools()["quantize"]), "--imatrix", str(imatrix), str(f32), str(out), kind, str(threads)],
+         out.with_suffix(".log"))
+    return {"quantize_s": round(time.perf_counter() - t0, 1)}
+
+
+# --------------------------------------------------------------------------------------------------- scoring
+def score(path: Path, texts: dict[str, list[int]]) -> dict[str, float]:
+    """Perplexity of each text's token ids under `path` in our engine, float32, as `llmopt eval` scores them."""
+    from llmopt import LLM
+    from llmopt.eval.perplexity import score_text
+
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
+    out = {name: float(score_text(llm.engine, ids, SEQ).ppl) for name, ids in texts.items()}
+    del llm
+    return out
+
+
+def drop_gguf_cache(path: Path) -> None:
+    """A scored GGUF's dequantized copy in llmopt's cache (hundreds of MB each) goes once scored."""
+    from llmopt.models.resolve import resolve_model, weights_dir
+
+    shutil.rmtree(weights_dir(resolve_model(str(path))), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def table(result: dict[str, Any]) -> str:
+    names = list(TEXTS)
+    base = result["base"]
+    lines = [f"| point | tool | checkpoint MB | {' | '.join(f'{n} ppl (vs fp32)' for n in names)} | quantize s |",
+             "|---|---|---|" + "---|" * len(names) + "---|"]
+    rows = sorted(result["points"].values(), key=lambda r: r["bytes"])
+    for r in [base, *rows]:
+        cells = [f"{r['ppl'][n]:.3f} ({100 * (r['ppl'][n] / base['ppl'][n] - 1):+.1f}%)" if r is not base
+                 else f"{r['ppl'][n]:.3f}" for n in names]
+        q = f"{r['quantize_s']:.0f}" if "quantize_s" in r else ""
+        label = f"**{r['label']}**" if r.get("tool") == "llmopt" and r["label"].startswith("auto") else r["label"]
+        lines.append(f"| {label} | {r.get('tool', '')} | {r['bytes'] / 1e6:.1f} | {' | '.join(cells)} | {q} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = result["base"]["ppl"]["wikitext2"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[str, list[tuple[float, float, str]]] = {}
+    for r in result["points"].values():
+        fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llmopt auto (GPTQ)" if r["label"].startswith("auto")
+               else f"llmopt {r['label'].split()[-1]}" if r["label"].startswith("W4A16") else "llmopt W8A16")
+        series.setdefault(fam, []).append((r["bytes"] / 1e6, 100 * (r["ppl"]["wikitext2"] / base - 1), r["label"]))
+    markers = {"llama.cpp (imatrix)": "s", "llmopt auto (GPTQ)": "*"}
+    for fam, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(fam, "o"), linestyle="-" if len(pts) > 1 else "",
+                label=fam, markersize=10 if fam in markers else 6)
+        for x, y, label in pts:
+            ax.annotate(label.replace(" bits GPTQ", "b").replace("W4A16 ", ""), (x, y), fontsize=6,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("checkpoint MB (every tensor: embedding and head included)")
+    ax.set_ylabel("wikitext-2 perplexity vs fp32 (%, symlog)")
+    ax.set_title(f"{result['model']}: size against held-out quality ({result['tokens']} tokens, our engine, fp32)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_doc(model: str, text: str) -> None:
+    from llmopt.io import write_text_atomic
+
+    begin, end = doc_markers(model)
+    doc = DOC.read_text()
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"error: {DOC} has no {begin!r} ... {end!r} markers")
+    head, rest = doc.split(begin, 1)
+    write_text_atomic(DOC, head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=16384, help="held-out tokens scored per text")
+    ap.add_argument("--num-samples", type=int, default=16, help="calibration windows of 512 tokens")
+    ap.add_argument("--budgets", default="4.5,5,6", help="--scheme auto budgets (bits per weight of the linears)")
+    ap.add_argument("--ladder", default=LADDER, help="llama.cpp types, each with the importance matrix")
+    ap.add_argument("--only", default="", help="comma list of point labels to run (default: all)")
+    ap.add_argument("--reuse", action="store_true", help="keep points already in the results file")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    ap.add_argument("--work", type=Path, default=ROOT / "runs/quant-frontier")
+    ap.add_argument("--write-doc", action="store_true", help="put the table into docs/QUANTIZE.md")
+    args = ap.parse_args()
+    missing = [str(p) for p in TEXTS.values() if not p.is_file()]
+    if missing:
+        raise SystemExit(f"error: held-out text {missing[0]} missing")
+
+    import torch
+
+    from llmopt.calibrate import CalibrateConfig, SavedStats, run_calibration
+    from llmopt.io import write_text_atomic
+    from llmopt.models.resolve import resolve_model, weights_dir
+    from llmopt.models.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    work = args.work / args.model
+    work.mkdir(parents=True, exist_ok=True)
+    results_file = work / "frontier.json"
+    model_dir = Path(weights_dir(resolve_model(args.model)))
+    tok = load_tokenizer(model_dir)
+    texts = {name: tok.encode(p.read_text(encoding="utf-8"))[: args.tokens] for name, p in TEXTS.items()}
+
+    calib = work / f"calib-{args.num_samples}x{SEQ}"
+    if not (calib / "stats.safetensors").is_file():
+        log(f"llmopt calibrate: {args.num_samples} x {SEQ} windows")
+        run_calibration(CalibrateConfig(model=args.model, data=CALIB, num_samples=args.num_samples, seq_len=SEQ,
+                                        seed=0, output=calib, overwrite=True, device="cpu"))
+    calib_text = work / "calibration.txt"
+    windows = SavedStats.load(calib / "stats.safetensors").windows.tolist()
+    calib_text.write_text("".join(tok.decode(w, skip_special_tokens=True) for w in windows), encoding="utf-8")
+
+    result: dict[str, Any] = json.loads(results_file.read_text()) if args.reuse and results_file.is_file() else {}
+    result |= {"model": args.model, "tokens": args.tokens, "num_samples": args.num_samples, "threads": args.threads,
+               "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                            if ln.startswith("model name")), "unknown"),
+               "torch": torch.__version__,
+               "llamacpp": (LLAMACPP / "BUILD_INFO").read_text().splitlines()[0] if (LLAMACPP / "BUILD_INFO").is_file() else None}
+    result.setdefault("points", {})
+    if "base" not in result:
+        log("scoring the unquantized model (fp32)")
+        result["base"] = {"label": "unquantized (fp32 source)", "tool": "", "bytes": checkpoint_bytes(model_dir),
+                          "ppl": score(model_dir, texts)}
+    save = lambda: write_text_atomic(results_file, json.dumps(result, indent=2))  # noqa: E731
+    save()
+
+    plan: dict[str, tuple[str, Any]] = {k: ("llmopt", v) for k, v in
+                                        our_points(model_dir, [float(b) for b in args.budgets.split(",") if b]).items()}
+    plan |= {f"llama.cpp {q}": ("llama.cpp", q) for q in args.ladder.split(",") if q}
+    only = set(filter(None, args.only.split(",")))
+    for label, (tool, what) in plan.items():
+        if (only and label not in only) or label in result["points"]:
+            continue
+        log(f"{label}: quantizing")
+        if tool == "llmopt":
+            out = work / "ckpt"
+            extra = quantize_ours(args.model, what, out, calib)
+        else:
+            f32, imatrix = llamacpp_sources(model_dir, calib_text, len(windows), work, args.threads)
+            out = work / f"{what}.gguf"
+            extra = quantize_llamacpp(what, f32, imatrix, out, args.threads)
+        log(f"{label}: scoring")
+        row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), "ppl": score(out, texts), **extra}
+        if out.suffix == ".gguf":
+            drop_gguf_cache(out)
+            out.unlink()
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+        result["points"][label] = row
+        save()
+        log(f"{label}: {row['bytes'] / 1e6:.1f} MB, ppl {row['ppl']}")
+
+    text = table(result)
+    print(text)
+    png = ROOT / f"docs/quant-frontier-{args.model}.png"
+    plot(result, png)
+    log(f"plot: {png.relative_to(ROOT)}")
+    if args.write_doc:
+        write_doc(args.model, f"{result['model']}, {result['tokens']} held-out tokens per text, {result['num_samples']} "
+                  f"x {SEQ} calibration windows; {result['cpu']}, {result['threads']} threads, torch {result['torch']}; "
+                  f"llama.cpp {result['llamacpp']}.\n\n{text}\n\n![{args.model} frontier](quant-frontier-{args.model}.png)")
+
+
+if __name__ == "__main__":
+    main()
