@@ -2,7 +2,7 @@
 
     make quant-frontier      # llama.cpp's tools (benchmarks/peers/install_llamacpp.sh), then SmolLM2 and Gemma 3
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quant_frontier.py --model smollm2-135m \\
-        [--tokens 16384] [--num-samples 16] [--budgets 4.5,5,6] [--only LABEL,...] [--reuse] [--write-doc]
+        [--tokens 8192] [--num-samples 16] [--budgets 4.5,5,6] [--only LABEL,...] [--reuse] [--write-doc]
 
 One protocol for every point (issue #32, part 6):
 
@@ -13,9 +13,10 @@ One protocol for every point (issue #32, part 6):
 * llama.cpp starts from the same float32 weights our quantizers load (the model's HF folder, converted by
   its own `convert_hf_to_gguf.py --outtype f32`); its ladder is --ladder (Q3_K_M ... Q8_0).
 * Ours: RTN, GPTQ (act-order, the default) and AWQ at every group size of 32/64/128 that divides the model's
-  linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears).
-  Checkpoints are compressed-tensors as `llmopt quantize` writes them by default: what stays unquantized (the
-  embedding, tied to the head, and the norms) in bf16.
+  linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears);
+  the GPTQ, auto and W8A16 points again with `--lm-head int8` (the head, and the embedding it is tied to, in
+  int8 per row). Checkpoints are compressed-tensors as `llmopt quantize` writes them by default: what stays
+  unquantized (the embedding and the norms) in bf16.
 * Bytes: every tensor the checkpoint stores (safetensors files; a GGUF's tensor data, without its tokenizer
   metadata), embedding and head included.
 * Scoring: the same code for every point, our engine in float32 as `llmopt eval --ppl-data F --seq-len 512
@@ -82,6 +83,9 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
     points["W8A16 RTN"] = {"scheme": "w8a16"}
     for b in budgets:
         points[f"auto {b:g} bits GPTQ"] = {"scheme": "auto", "target_bits": b, "method": "gptq"}
+    # the same with the head (the tied embedding) in int8 per row: what llama.cpp's ladder does to it too
+    for label in [k for k in points if "GPTQ" in k or k == "W8A16 RTN"]:
+        points[f"{label} + int8 head"] = {**points[label], "lm_head": "int8"}
     return points
 
 
@@ -159,7 +163,7 @@ def score(path: Path, texts: dict[str, list[int]]) -> dict[str, float]:
     from llmopt.eval.perplexity import score_text
 
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
-    out = {name: float(score_text(llm.engine, ids, SEQ).ppl) for name, ids in texts.items()}
+    out = {name: float(score_text(llm.engine, ids, SEQ).nll[0].ppl) for name, ids in texts.items()}
     del llm
     return out
 
@@ -234,7 +238,7 @@ def write_doc(model: str, text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=16384, help="held-out tokens scored per text")
+    ap.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per text")
     ap.add_argument("--num-samples", type=int, default=16, help="calibration windows of 512 tokens")
     ap.add_argument("--budgets", default="4.5,5,6", help="--scheme auto budgets (bits per weight of the linears)")
     ap.add_argument("--ladder", default=LADDER, help="llama.cpp types, each with the importance matrix")

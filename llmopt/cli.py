@@ -455,8 +455,10 @@ def quantize(
     override: list[str] = typer.Option([], "--override", help="REGEX=SCHEME for matching modules."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="int8|fp8: calibrated KV-cache scales (fp8: "
                                     "compressed-tensors kv_cache_scheme, which vLLM loads)."),
-    float_dtype: str = typer.Option("bf16", "--float-dtype", help="bf16|source: how float32 tensors left "
-                                    "unquantized (embedding, head, norms) are stored; bf16 is what they run in."),
+    lm_head: Optional[str] = typer.Option(None, "--lm-head", help="int8: the output head (a tied one: the "
+                                          "embedding it shares) as int8 with a scale per row."),
+    float_dtype: str = typer.Option("bf16", "--float-dtype", help="bf16|source: how float32 tensors outside "
+                                    "the layers (embedding, final norm, head) are stored; bf16 is what they run in."),
     fmt: str = typer.Option("compressed-tensors", "--format", help="gptq|compressed-tensors"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUT_DIR."),
     output: str = typer.Option(..., "--output", "-o", help="OUT_DIR to write."),
@@ -477,7 +479,7 @@ def quantize(
                          act_order=act_order, static_groups=static_groups, mse=mse,
                          calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
-                         kv_cache=kv_cache, float_dtype=float_dtype, format=fmt, output=Path(output),
+                         kv_cache=kv_cache, lm_head=lm_head, float_dtype=float_dtype, format=fmt, output=Path(output),
                          overwrite=overwrite, device=device, max_shard_size=max_shard_size, target_bits=target_bits, gate=gate,
                          eval_data=Path(eval_data) if eval_data else None, eval_seq_len=eval_seq_len,
                          eval_max_tokens=eval_max_tokens,

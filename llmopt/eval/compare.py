@@ -299,10 +299,40 @@ def check_inputs(opts: EvalOptions) -> tuple[str | None, list[Task], list[Confid
     return text, task_list, gates
 
 
+@dataclass
+class _BaselineRun:
+    model: dict[str, Any]
+    score: TextScore | None
+    reference: BaselineTopK | None
+    ids: list[int]
+    results: dict[str, TaskResult]
+
+
+class BaselineCache:
+    """Pass one to several `run_eval` calls that judge candidates against the same baseline (the gate search's
+    trials): the baseline is measured by the first, and the others reuse its scores, top-k record and task
+    results, as long as everything but the candidate and the gates is the same."""
+
+    def __init__(self) -> None:
+        self._key: str | None = None
+        self._run: _BaselineRun | None = None
+
+    @staticmethod
+    def key(opts: EvalOptions) -> str:
+        return opts.model_dump_json(exclude={"model", "gates", "bisect", "bisect_plot"})
+
+    def get(self, opts: EvalOptions) -> _BaselineRun | None:
+        return self._run if self._key == self.key(opts) else None
+
+    def put(self, opts: EvalOptions, run: _BaselineRun) -> None:
+        self._key, self._run = self.key(opts), run
+
+
 def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None = None,
-             notify: Callable[[str], None] | None = None) -> EvalReport:
+             notify: Callable[[str], None] | None = None, baseline_cache: BaselineCache | None = None) -> EvalReport:
     """Measure everything `opts` asks for; gates are evaluated but not raised (see command.py). `notify`
-    gets lines worth saying before they happen (what a float32 upcast will cost)."""
+    gets lines worth saying before they happen (what a float32 upcast will cost). `baseline_cache`: the
+    baseline's measurements from an earlier call with the same options, reused (see BaselineCache)."""
     t0 = time.perf_counter()
     # 1. validate every input before loading a model
     text, task_list, gates = check_inputs(opts)
@@ -318,6 +348,14 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
     ids: list[int] = []
     cand: LLM | None = None
     for role, model, engine_opts in roles:
+        kept = baseline_cache.get(opts) if baseline_cache is not None and role == "baseline" else None
+        if kept is not None:
+            models[role], ids, reference = dict(kept.model), list(kept.ids), kept.reference
+            if kept.score is not None:
+                scores[role] = kept.score
+            for task in task_list:
+                results[task.name][role] = kept.results[task.name]
+            continue
         note = float32_notice(model, engine_opts.dtype)
         if note and notify:
             notify(note)
@@ -352,6 +390,9 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
             else:
                 results[task.name][role] = evaluate_task(llm, task, opts.limit, max_batch_tokens=batch)
         if role == "baseline":  # freed before the candidate loads: the two are never in memory together
+            if baseline_cache is not None:
+                baseline_cache.put(opts, _BaselineRun(dict(models[role]), scores.get(role), reference, list(ids),
+                                                      {t.name: results[t.name][role] for t in task_list}))
             device = llm.engine.device
             del llm
             free_memory(device)

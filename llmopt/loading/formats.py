@@ -50,11 +50,15 @@ def _matches(name: str, target: str) -> bool:
 
 
 def _ct_group(qcfg: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The config group whose targets take the linear `name`: one naming it (exactly or by `re:`) before one
+    targeting the class "Linear", as compressed-tensors ranks them (a quantized lm_head next to "Linear")."""
     if any(_matches(name, t) and t != "Linear" for t in qcfg.get("ignore") or []):
         return None
-    for group in (qcfg.get("config_groups") or {}).values():
-        if any(_matches(name, t) for t in group.get("targets") or []):
-            return group
+    groups = list((qcfg.get("config_groups") or {}).values())
+    for by_name in (True, False):
+        for group in groups:
+            if any(_matches(name, t) and (t != "Linear") == by_name for t in group.get("targets") or []):
+                return group
     return None
 
 
@@ -142,6 +146,17 @@ class QuantizedCheckpoint:
 
     def parts(self, hf_names: list[str]) -> list[LinearPart]:
         return [_read_part(self.tensors, hf, self.qcfg) for hf in hf_names]
+
+    def embedding(self, hf_name: str) -> LinearPart | None:
+        """A quantized embedding table (`quantize --lm-head int8` on a tied model), or None when it is float. Only a
+        config group that names it takes it: the class target "Linear" never means an embedding."""
+        if f"{hf_name}.weight_packed" not in self.tensors:
+            return None
+        named = [g for g in (self.qcfg.get("config_groups") or {}).values()
+                 if any(_matches(hf_name, t) and t != "Linear" for t in g.get("targets") or [])]
+        if not named:
+            raise LlmoptError(f"{hf_name} is stored packed, but no quantization_config group names it")
+        return _read_part(self.tensors, hf_name, {**self.qcfg, "config_groups": {"named": named[0]}})
 
     def consume(self, hf_names: list[str]) -> None:
         for hf in hf_names:

@@ -14,6 +14,7 @@ from llmopt.models.base import CausalLM
 from llmopt.models.loader import build_empty, fill_module, parse_dtype
 from llmopt.models.reader import CheckpointTensors
 from llmopt.models.resolve import ResolvedModel, weights_dir
+from llmopt.quant.embedding import QuantizedEmbedding
 
 
 def module_order(model: nn.Module) -> list[str]:
@@ -26,6 +27,24 @@ def module_order(model: nn.Module) -> list[str]:
         elif name != "rotary":
             out.append(name)
     return out
+
+
+def _land_embedding(model: CausalLM, quantized: QuantizedCheckpoint, tied: bool, dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """A quantized embedding (`quantize --lm-head int8` on a tied model) lands as a QuantizedEmbedding for the
+    lookups and, when the head shares it, as the head's int8 linear too (two copies of the int8 codes: the
+    lookup reads rows, the head's kernel its own packed layout)."""
+    hf = type(model).hf_module_name("embed_tokens")
+    part = quantized.embedding(hf)
+    if part is None:
+        return
+    assert part.qw is not None
+    model.embed_tokens = QuantizedEmbedding(part.qw, dtype, device)
+    if tied:
+        head = land_linear([part], dtype, device)
+        assert head is not None
+        model.lm_head = head
+    quantized.consume([hf])
 
 
 def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
@@ -42,6 +61,8 @@ def load_model(resolved: ResolvedModel, dtype: str | torch.dtype = "auto", devic
     tied = resolved.spec.tie_word_embeddings
     try:
         for prefix in module_order(model):
+            if quantized is not None and prefix == "embed_tokens":
+                _land_embedding(model, quantized, tied, torch_dtype, device)
             if quantized is not None:
                 for name, mod in list(iter_linears(model)):
                     if not (name == prefix or name.startswith(prefix + ".")) or (name == "lm_head" and tied):

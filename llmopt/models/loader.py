@@ -88,7 +88,7 @@ def _move_params(model: CausalLM, prefix: str | None, device: str | torch.device
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 mod._parameters[name] = new[id(p)]
-    if model.spec.tie_word_embeddings:
+    if model.spec.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):  # not a quantized one
         model.lm_head.weight = model.embed_tokens.weight
 
 

@@ -86,6 +86,21 @@ TABLE: dict[str, Row] = {r.key: r for r in (
         Cell(None, f"{_CPU_WNA16}, so expect no kernel")),
 )}
 
+# `--lm-head int8`: the head as a compressed-tensors int8 weight-only group (per row), named in its targets
+HEAD_TABLE: dict[str, Row] = {r.key: r for r in (
+    Row("head-int8", "--lm-head int8, untied head (lm_head as an int8 linear)",
+        Cell(True, _CT + "; logits equal llmopt's", True),
+        Cell(True, "vLLM's ParallelLMHead takes the lm_head group as a linear scheme (WNA16 uint8b128, Marlin)"),
+        Cell(False, f"no CPU kernel for uint8b128: {_CPU_WNA16}")),
+    Row("head-int8-tied", "--lm-head int8, tied head (the shared embedding as int8)",
+        Cell(False, "transformers 5.24 cannot initialize a compressed-tensors Embedding (its _init_weights "
+                    "reads the weight that compression replaced); llmopt's engine runs it", True),
+        Cell(False, "vLLM 0.32 looks up a quantized embedding (CompressedTensorsEmbeddingWNA16Int) but cannot "
+                    "compute a tied head with it (its apply raises; vLLM PR #45535 is open)"),
+        Cell(False, "vLLM 0.32's quantized embedding gathers with a Triton kernel, and cannot compute a tied "
+                    "head with it")),
+)}
+
 KV_NOTES = {
     "int8": ("INT8 KV-cache scales are in kv_cache_scales.json, read by llmopt only; transformers and vLLM load "
              "the weights and run their own KV cache (vLLM: --kv-cache-dtype auto or fp8)"),
@@ -123,11 +138,16 @@ MOE_NOTE = ("Mixture-of-Experts: the table was measured on dense llama-family mo
             "these checkpoints were not measured")
 
 
-def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: str | None = None, moe: bool = False) -> dict[str, Any]:
+def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: str | None = None, moe: bool = False,
+               head: str | None = None) -> dict[str, Any]:
     """The report's `deployment` entry for a checkpoint holding `schemes` in format `fmt` (`moe`: the
-    model has experts, whose deployment was not measured like the dense rows)."""
+    model has experts, whose deployment was not measured like the dense rows; `head`: a HEAD_TABLE key when
+    `--lm-head` quantized the head)."""
     keys = list(dict.fromkeys(row_key(s, fmt) for s in schemes))
     rows = [TABLE[k] for k in keys]
+    if head is not None:
+        keys.append(head)
+        rows.append(HEAD_TABLE[head])
     out: dict[str, Any] = {"schemes": keys}
     for tool in TOOLS:
         out[tool] = combine([r.cell(tool) for r in rows]).to_json()

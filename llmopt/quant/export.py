@@ -1,13 +1,14 @@
 """Write a quantized model as a Hugging Face checkpoint in the GPTQ or compressed-tensors format.
 
-Quantized fused weights are split back into HF projections by rows (see `rows`). The embeddings, final
-norm and lm_head are copied from the source, and the norms inside layers (with any AWQ/SmoothQuant folding
-applied) and ignored linears come from the quantizer's float32 copy (a linear `--scheme auto` leaves float:
+Quantized fused weights are split back into HF projections by rows (see `rows`). The norms inside layers
+(with any AWQ/SmoothQuant folding applied), routers and ignored linears are written in float32, the
+quantizer's working dtype, so a float32 load reproduces them exactly (a linear `--scheme auto` leaves float:
 in bfloat16, as its budget counts it). config.json's `torch_dtype` becomes bfloat16: with `--dtype auto` the
 int4/int8 kernels then run on bf16 activations, their fast path, and every float tensor is cast to bf16 on
-load. So by default (`float_dtype`) float32 tensors are stored in bf16: a GGUF-derived model's float32
+load. So the tensors outside the layers (embeddings, final norm, head), copied from the source, are stored in
+bf16 when the source has them in float32 (`float_dtype`, the default): a GGUF-derived model's float32
 embedding is most of a small model's checkpoint (113 of SmolLM2's 173 MB at W4A16). With `--float-dtype
-source` they keep the source's dtype, and `--dtype float32` loads them exactly.
+source` they keep the source's dtype. `--lm-head int8` quantizes the head instead (`head_module`).
 
 Calibrated INT8 KV-cache scales go to `kv_cache_scales.json` (llmopt/quant/kv_scales.py), never into
 `quantization_config`: an int8 `kv_cache_scheme` makes vLLM refuse the whole checkpoint. FP8 ones are
@@ -41,6 +42,7 @@ from llmopt.quant.pack_gptq import gptq_quantization_config, pack_gptq
 from llmopt.quant.qtensor import QuantizedWeight
 from llmopt.quant.recipe import ModuleScheme
 from llmopt.quant.rows import slice_rows
+from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.sequential import QuantizedModule
 from llmopt.quant.targets import Target, hf_parts
 
@@ -61,10 +63,9 @@ def stored(tensor: torch.Tensor, float_dtype: torch.dtype | None) -> torch.Tenso
     return tensor.to(float_dtype) if float_dtype is not None and tensor.dtype == torch.float32 else tensor
 
 
-def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str], bool],
-                  float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str], bool]) -> dict[str, torch.Tensor]:
     """Every tensor not replaced by quantized ones whose parameter name `within` takes, under HF names (fused
-    float linears split by rows), float32 ones as `stored` in `float_dtype`."""
+    float linears split by rows)."""
     quantized = {t.module for t in targets if t.scheme is not None}
     cast = {t.module: t.store_dtype for t in targets if t.store_dtype is not None}
     linears = dict(iter_linears(model))
@@ -77,9 +78,9 @@ def float_tensors(model: CausalLM, targets: list[Target], within: Callable[[str]
             continue
         if mod_name in linears:
             for hf, (lo, hi) in hf_parts(model, mod_name, linears[mod_name]).items():
-                out[f"{hf}.{kind}"] = stored(p.data[lo:hi].to(cast.get(mod_name, p.dtype)), float_dtype).contiguous().cpu()
+                out[f"{hf}.{kind}"] = p.data[lo:hi].to(cast.get(mod_name, p.dtype)).contiguous().cpu()
         else:
-            out[type(model).hf_module_name(name)] = stored(p.data, float_dtype).contiguous().cpu()
+            out[type(model).hf_module_name(name)] = p.data.contiguous().cpu()
     return out
 
 
@@ -101,12 +102,18 @@ def _module_tensors(qm: QuantizedModule, fmt: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _compressed_config(targets: list[Target], act_order: bool, kv_cache: str | None) -> dict[str, Any]:
+def head_module(tied: bool) -> str:
+    """The checkpoint module `--lm-head` quantizes: the embedding a tied head shares, else lm_head."""
+    return "model.embed_tokens" if tied else "lm_head"
+
+
+def _compressed_config(targets: list[Target], act_order: bool, kv_cache: str | None,
+                       head: tuple[str, ModuleScheme] | None = None) -> dict[str, Any]:
     by_scheme: dict[ModuleScheme, list[str]] = {}
     ignore: list[str] = []
     for t in targets:
         if t.scheme is None:
-            ignore.extend(t.parts)
+            ignore.extend(hf for hf in t.parts if head is None or hf != head[0])
         else:
             by_scheme.setdefault(t.scheme, []).extend(t.parts)
     groups: dict[str, Any] = {}
@@ -117,6 +124,8 @@ def _compressed_config(targets: list[Target], act_order: bool, kv_cache: str | N
             g["input_activations"] = dict(INT8_TOKEN_ACTIVATIONS)
             g["format"] = "int-quantized"
         groups[f"group_{i}"] = g
+    if head is not None:  # named exactly: a name outranks the class name "Linear" (compressed-tensors, formats.py)
+        groups[f"group_{len(groups)}"] = compressed_config_group(head[1].weights, targets=[head[0]])
     return compressed_quantization_config(groups, ignore=ignore,
                                           kv_cache_scheme=dict(FP8_KV_CACHE_SCHEME) if kv_cache == "fp8" else None)
 
@@ -139,12 +148,16 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_gro
 
 
 def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,
-                        static_groups: bool = True, kv_cache: str | None = None) -> dict[str, Any]:
+                        static_groups: bool = True, kv_cache: str | None = None,
+                        head: tuple[str, ModuleScheme] | None = None) -> dict[str, Any]:
     """config.json's `quantization_config` (raises early when the format cannot express the plan). The gptq
-    format records `desc_act` and, with it, whether the groups were static (identity g_idx) or not."""
+    format records `desc_act` and, with it, whether the groups were static (identity g_idx) or not. `head`:
+    the checkpoint module `--lm-head` quantizes (`head_module`) and its scheme."""
     if fmt == "gptq":
+        if head is not None:
+            raise LlmoptError("the gptq format cannot hold a quantized head; use --format compressed-tensors")
         return _gptq_config(targets, act_order, damp, static_groups)
-    return _compressed_config(targets, act_order, kv_cache)
+    return _compressed_config(targets, act_order, kv_cache, head)
 
 
 def _checkpoint_order(name: str) -> tuple:
@@ -162,32 +175,48 @@ class CheckpointExport:
 
     def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
                  max_shard_bytes: int, static_groups: bool = True, kv_cache: str | None = None,
-                 float_dtype: torch.dtype | None = None) -> None:
+                 float_dtype: torch.dtype | None = None, head: tuple[str, ModuleScheme] | None = None) -> None:
         self.out, self.targets, self.fmt, self.kv_cache = out, targets, fmt, kv_cache
-        self.float_dtype = float_dtype
-        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups, kv_cache)  # fails early
+        self.float_dtype, self.head = float_dtype, head
+        self.head_report: dict[str, Any] | None = None  # what `finish` made of the head, for the report
+        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups, kv_cache, head)  # fails early
         self.writer = ShardWriter(out, max_shard_bytes)
 
     def _add(self, tensors: dict[str, torch.Tensor]) -> None:
         self.writer.add({name: tensors[name] for name in sorted(tensors, key=_checkpoint_order)})
 
+    def _quantized_head(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`--lm-head`: the head's (or the tied embedding's) weight rounded to its scheme, one row at a time
+        as the scheme's per-row scales allow, packed as a compressed-tensors linear."""
+        assert self.head is not None
+        name, scheme = self.head
+        w = weight.float()
+        qw = rtn_quantize(w, scheme.weights)
+        err = float(torch.linalg.vector_norm(qw.dequantize() - w) / torch.linalg.vector_norm(w).clamp(min=1e-12))
+        self.head_report = {"module": name, "scheme": scheme.describe(), "weight_rel_err": round(err, 6),
+                            "bytes": qw.nbytes()}
+        return {f"{name}.{k}": v for k, v in pack_compressed(qw).items()}
+
     def add_layer(self, model: CausalLM, index: int, modules: dict[str, QuantizedModule]) -> None:
         """Decoder layer `index`: its float tensors (norms, with any AWQ/SmoothQuant folding) and `modules`."""
         prefix = f"layers.{index}."
-        tensors = float_tensors(model, self.targets, lambda name: name.startswith(prefix), self.float_dtype)
+        tensors = float_tensors(model, self.targets, lambda name: name.startswith(prefix))
         for qm in modules.values():
             tensors.update(_module_tensors(qm, self.fmt))
         self._add(tensors)
 
     def finish(self, source: CheckpointTensors, source_dir: Path, source_config: dict[str, Any], tied: bool,
                kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[Path]:
-        """Everything outside the decoder layers (embeddings, final norm, head: never quantized nor folded), copied
-        from the `source` checkpoint one tensor at a time (float32 ones `stored` in `float_dtype`); returns the
-        shard files."""
+        """Everything outside the decoder layers (embeddings, final norm, head: never folded), copied from the
+        `source` checkpoint one tensor at a time (float32 ones `stored` in `float_dtype`, the `head` module
+        quantized); returns the shard files."""
         outer = [name for name in sorted(source.names(), key=_checkpoint_order)
                  if not (name.startswith("model.layers.") or "rotary_emb" in name or (tied and name == "lm_head.weight"))]
         for name, tensor in source.read(outer):
-            self._add({name: stored(tensor, self.float_dtype)})
+            if self.head is not None and name == f"{self.head[0]}.weight":
+                self._add(self._quantized_head(tensor))
+            else:
+                self._add({name: stored(tensor, self.float_dtype)})
         if kv_scales is not None and self.kv_cache == "fp8":
             k, v = kv_scales
             self._add({f"model.layers.{i}.self_attn.{kind}_scale": s[i].reshape(()).float().clone()

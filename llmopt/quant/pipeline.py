@@ -22,7 +22,7 @@ from llmopt.layers.attention.kv_codes import LARGEST
 from llmopt.models.shards import parse_shard_size
 from llmopt.quant.auto import AutoPlan, SearchOptions, measured_kl, search
 from llmopt.quant.deploy import deployment
-from llmopt.quant.export import CheckpointExport, quantization_config
+from llmopt.quant.export import CheckpointExport, head_module, quantization_config
 from llmopt.quant.recipe import AUTO, QuantizeConfig
 from llmopt.quant.report import ModuleReport, QuantReport
 from llmopt.quant.sequential import QuantizedModule, SequentialOptions, SequentialQuantizer
@@ -96,7 +96,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
     only when it is processed, in float32 on the compute device, then written to the output and freed
     (`SequentialQuantizer`'s load_layer / layer_done). The embeddings are read (in float32) for the
     calibration embedding only; they, the final norm and the head go to the output as the source stores
-    them, one tensor at a time. So memory holds one layer (plus its calibration activations and
+    them (float32 ones in bf16 by default, the head rounded to int8 with `--lm-head int8`), one tensor at a
+    time. So memory holds one layer (plus its calibration activations and
     statistics), never the model: a model larger than the host's memory or the GPU quantizes on it
     (docs/QUANTIZE.md, "How big a model").
 
@@ -125,7 +126,9 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
     model = build_empty(resolved, torch.float32, device)
     targets, notes = plan_targets(model, cfg)
     act_order = bool(cfg.act_order)  # resolved by QuantizeConfig: on for GPTQ unless --no-act-order
-    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups, cfg.kv_cache)  # fail early
+    head_scheme = cfg.head_scheme()
+    head = None if head_scheme is None else (head_module(resolved.spec.tie_word_embeddings), head_scheme)
+    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups, cfg.kv_cache, head)  # fail early
     tokenizer = load_tokenizer(directory)
     for note in notes:
         console.print(f"[cyan]note:[/] {note}", highlight=False)
@@ -160,7 +163,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
                                   static_groups=cfg.static_groups, kv_cache=cfg.kv_cache,
-                                  float_dtype=torch.bfloat16 if cfg.float_dtype == "bf16" else None)
+                                  float_dtype=torch.bfloat16 if cfg.float_dtype == "bf16" else None, head=head)
 
         def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
             nonlocal write_s
@@ -202,11 +205,14 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
             settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}),
             calibration=calib,
             modules=module_reports,
-            ignored=[hf for t in targets if t.scheme is None for hf in t.parts],
+            ignored=[hf for t in targets if t.scheme is None for hf in t.parts if head is None or hf != head[0]],
+            head=export.head_report,
             timings_s={k: round(v, 3) for k, v in timings.items()},
             bytes_before=bytes_before, bytes_after=sum(f.stat().st_size for f in shards), notes=notes,
             auto=plan.summary() if plan else None,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
-                                  kv_cache=cfg.kv_cache, moe=resolved.spec.is_moe))
+                                  kv_cache=cfg.kv_cache, moe=resolved.spec.is_moe,
+                                  head=None if head is None else
+                                  "head-int8-tied" if resolved.spec.tie_word_embeddings else "head-int8"))
         report.write(tmp / REPORT)
     return report

@@ -111,8 +111,10 @@ class QuantizeConfig(BaseModel):
     ignore: list[str] = []
     override: list[str] = []
     kv_cache: Literal["int8", "fp8"] | None = None
-    # what stays float32 in the source (a GGUF-derived model's embedding, norms, head) is stored as: bf16 (what
-    # config.json's torch_dtype runs it in anyway, half the bytes) or as the source stores it
+    # the output head (with a tied one, the embedding it shares) as int8 with a scale per row, by rounding
+    lm_head: Literal["int8"] | None = None
+    # the float32 tensors outside the decoder layers (a GGUF-derived model's embedding, final norm, head) are
+    # stored as: bf16 (what config.json's torch_dtype runs them in anyway, half the bytes) or as in the source
     float_dtype: Literal["bf16", "source"] = "bf16"
     format: Format = "compressed-tensors"
     output: Path
@@ -205,6 +207,9 @@ class QuantizeConfig(BaseModel):
         if self.calib is not None and self.calib_data:
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
         if self.format == "gptq":
+            if self.lm_head is not None:
+                raise ValueError("--lm-head int8 is written as a compressed-tensors group; use --format "
+                                 "compressed-tensors")
             if self.kv_cache == "fp8":
                 raise ValueError("--kv-cache fp8 is a compressed-tensors kv_cache_scheme; use --format "
                                  "compressed-tensors")
@@ -223,6 +228,10 @@ class QuantizeConfig(BaseModel):
     def main_preset(self) -> str:
         """The preset of every linear no --override names (`auto`: int4, a placeholder until the search)."""
         return "w4a16" if self.scheme == AUTO else self.scheme
+
+    def head_scheme(self) -> ModuleScheme | None:
+        """What `--lm-head` makes of the output head: int8, symmetric, one scale per row (None: float)."""
+        return None if self.lm_head is None else make_scheme("w8a16", -1, True)
 
     def main_scheme(self, group_size: int | None = None) -> ModuleScheme:
         return make_scheme(self.main_preset, self.group_size if group_size is None else group_size, self.symmetric)

@@ -55,6 +55,7 @@ class QuantReport(BaseModel):
     deployment: dict[str, Any] = {}
     auto: dict[str, Any] | None = None  # --scheme auto: the budget, each linear's choice, predicted/measured KL
     gate_search: dict[str, Any] | None = None  # --scheme auto --gate: every budget tried and its eval
+    head: dict[str, Any] | None = None  # --lm-head: the module quantized (a tied head's embedding), scheme, error
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n")
@@ -73,6 +74,10 @@ class QuantReport(BaseModel):
         if errs:
             t.add_row("output error", f"mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f} (relative, calib. inputs)")
         t.add_row("weight error", f"mean {sum(werrs) / len(werrs):.4f}, max {max(werrs):.4f} (relative)")
+        if self.head:
+            h = self.head
+            t.add_row("lm_head", f"{h['module']}: {h['scheme']}, weight error {h['weight_rel_err']:.4f} (relative), "
+                      f"{format_bytes(h['bytes'])}")
         if self.auto:
             a = self.auto
             counts = ", ".join(f"{n} {c}" for c, n in sorted(a["choices"].items()))

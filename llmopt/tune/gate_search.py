@@ -2,7 +2,8 @@
 
 The precision search (`llmopt.quant.auto`) measures every linear's candidates once; then budgets are
 tried by bisection, each one quantized for real from those measurements and scored by `llmopt eval`
-against the source model on the held-out text, with the gates. The bits between the cheapest choice
+against the source model on the held-out text, with the gates (the source model is scored once, by the
+first trial, and its scores reused: `BaselineCache`). The bits between the cheapest choice
 everywhere and the dearest quantized one everywhere are halved until a passing and a failing budget lie
 within `TOLERANCE_BITS` of each other; the passing one is the output. Gates are checked, and the eval
 text read, before any quantization, and if even the dearest budget fails nothing is written (exit 1).
@@ -22,7 +23,7 @@ from rich.console import Console
 
 import llmopt.quant.pipeline as pipeline  # called through the module, so tests can stand in for it
 from llmopt.errors import GateFailed
-from llmopt.eval.compare import check_inputs, run_eval
+from llmopt.eval.compare import BaselineCache, check_inputs, run_eval
 from llmopt.eval.options import EvalOptions
 from llmopt.io import atomic_directory, check_output_dir
 from llmopt.quant.auto import AutoPlan
@@ -56,6 +57,7 @@ def quantize_to_gate(cfg: QuantizeConfig, console: Console | None = None) -> Qua
     trials: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix=".llmopt-gate-", dir=cfg.output.resolve().parent))
     best: tuple[Path, QuantReport] | None = None
+    baseline = BaselineCache()  # the source model is scored once, by the first trial
 
     def trial(bits: float) -> bool:
         nonlocal best
@@ -63,7 +65,7 @@ def quantize_to_gate(cfg: QuantizeConfig, console: Console | None = None) -> Qua
         console.print(f"[cyan]gate search:[/] trying {bits:.3f} bits per weight", highlight=False)
         report = pipeline.quantize_model(cfg.model_copy(update={"target_bits": bits, "gate": [], "output": out}),
                                          console, plan=plan)
-        ev = run_eval(_eval_options(cfg, str(out)))
+        ev = run_eval(_eval_options(cfg, str(out)), baseline_cache=baseline)
         passed = ev.passed
         assert report.auto is not None
         trials.append({"target_bits": round(bits, 4), "bits": report.auto["bits"], "passed": passed,
