@@ -13,10 +13,11 @@ One protocol for every point (issue #32, part 6):
 * llama.cpp starts from the same float32 weights our quantizers load (the model's HF folder, converted by
   its own `convert_hf_to_gguf.py --outtype f32`); its ladder is --ladder (Q3_K_M ... Q8_0).
 * Ours: RTN, GPTQ (act-order, the default) and AWQ at every group size of 32/64/128 that divides the model's
-  linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears);
-  the GPTQ, auto and W8A16 points again with `--lm-head int8` (the head, and the embedding it is tied to, in
-  int8 per row). Checkpoints are compressed-tensors as `llmopt quantize` writes them by default: what stays
-  unquantized (the embedding and the norms) in bf16.
+  linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears)
+  and with AWQ at the first; the GPTQ, auto, W8A16 and smallest-group points again with `--lm-head int8` (the
+  head, and the embedding it is tied to, in int8 per row), and RTN and AWQ with asymmetric smallest groups
+  (`--asym`) and the int8 head. Checkpoints are compressed-tensors as `llmopt quantize` writes them by
+  default: the float32 tensors outside the layers (embedding, final norm) in bf16.
 * Bytes: every tensor the checkpoint stores (safetensors files; a GGUF's tensor data, without its tokenizer
   metadata), embedding and head included.
 * Scoring: the same code for every point, our engine in float32 as `llmopt eval --ppl-data F --seq-len 512
@@ -83,9 +84,18 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
     points["W8A16 RTN"] = {"scheme": "w8a16"}
     for b in budgets:
         points[f"auto {b:g} bits GPTQ"] = {"scheme": "auto", "target_bits": b, "method": "gptq"}
+    if budgets:  # AWQ is the best uniform int4 method on these models: auto with it, at the first budget
+        points[f"auto {budgets[0]:g} bits AWQ"] = {"scheme": "auto", "target_bits": budgets[0], "method": "awq"}
     # the same with the head (the tied embedding) in int8 per row: what llama.cpp's ladder does to it too
-    for label in [k for k in points if "GPTQ" in k or k == "W8A16 RTN"]:
+    smallest = min((g for g in (128, 64, 32) if is_valid_group_size(widths, g)), default=None)
+    for label in [k for k in points if "GPTQ" in k or k.startswith("auto") or k == "W8A16 RTN"
+                  or k.startswith(f"W4A16 g{smallest} ")]:
         points[f"{label} + int8 head"] = {**points[label], "lm_head": "int8"}
+    # asymmetric groups (a zero point per group, what llama.cpp's Q4_1/Q4_K blocks have), smallest groups
+    if smallest:
+        for method in ("rtn", "awq"):
+            points[f"W4A16 g{smallest} {method.upper()} asym + int8 head"] = {
+                "scheme": "w4a16", "group_size": smallest, "method": method, "symmetric": False, "lm_head": "int8"}
     return points
 
 
@@ -201,20 +211,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     series: dict[str, list[tuple[float, float, str]]] = {}
     for r in result["points"].values():
-        fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llmopt auto (GPTQ)" if r["label"].startswith("auto")
-               else f"llmopt {r['label'].split()[-1]}" if r["label"].startswith("W4A16") else "llmopt W8A16")
-        series.setdefault(fam, []).append((r["bytes"] / 1e6, 100 * (r["ppl"]["wikitext2"] / base - 1), r["label"]))
-    markers = {"llama.cpp (imatrix)": "s", "llmopt auto (GPTQ)": "*"}
+        label = r["label"]
+        fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llmopt, int8 head" if label.endswith("int8 head")
+               else "llmopt auto" if label.startswith("auto") else f"llmopt {label.split()[-1]}"
+               if label.startswith("W4A16") else "llmopt W8A16")
+        series.setdefault(fam, []).append((r["bytes"] / 1e6, max(100 * (r["ppl"]["wikitext2"] / base - 1), 0.01),
+                                           r["label"]))
+    markers = {"llama.cpp (imatrix)": "s", "llmopt auto": "*", "llmopt, int8 head": "D"}
     for fam, pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(fam, "o"), linestyle="-" if len(pts) > 1 else "",
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(fam, "o"), linestyle="-" if fam.startswith("llama.cpp") else "",
                 label=fam, markersize=10 if fam in markers else 6)
         for x, y, label in pts:
-            ax.annotate(label.replace(" bits GPTQ", "b").replace("W4A16 ", ""), (x, y), fontsize=6,
+            short = label.replace(" + int8 head", "").replace(" bits ", "b ").replace("W4A16 ", "").replace("llama.cpp ", "")
+            ax.annotate(short, (x, y), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
-    ax.set_yscale("symlog", linthresh=1)
+    ax.set_yscale("log")
     ax.set_xlabel("checkpoint MB (every tensor: embedding and head included)")
-    ax.set_ylabel("wikitext-2 perplexity vs fp32 (%, symlog)")
+    ax.set_ylabel("wikitext-2 perplexity increase over fp32 (%, log; 0.01 at the least)")
     ax.set_title(f"{result['model']}: size against held-out quality ({result['tokens']} tokens, our engine, fp32)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
