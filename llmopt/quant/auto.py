@@ -4,15 +4,19 @@ Streamed like `quantize` itself, one decoder layer in memory at a time:
 
 1. Damage. On a sample of the calibration windows (at most `SAMPLE_TOKENS` tokens) every decoder layer
    runs in the forward dtype. For each linear it quantizes and each candidate scheme, that linear alone
-   is quantized (by RTN; with `--method gptq`, by GPTQ on the sample's Hessian), the layer runs again, and
+   is quantized by the method the quantize will use (RTN; with `--method gptq`, GPTQ on the sample's
+   Hessian; with `--method awq`, AWQ's scale and clip searches on the sample's inputs), the layer runs again, and
    the per-token squared change of the residual stream the layer writes, ‖δ_t‖², is kept. The unquantized
    stream then goes on to the next layer.
 2. Prediction. The final norm and head turn that stream into next-token distributions, and the trace
    of each token's Fisher information with respect to the final residual stream, tr F_t, is estimated from
    the gradients of sampled tokens' log-probabilities. A perturbation that reaches the end along the
    residual path, in no preferred direction, costs KL_t ≈ ½ ‖δ_t‖² tr F_t / d (second order in δ).
-   Averaged over tokens, that is each (linear, candidate)'s predicted KL; summed over linears, the
-   model's.
+   What the later layers do to a change on its way is measured once per layer: a depth probe (the
+   layer's linears all at their cheapest candidate, on the first `PROBE_TOKENS` tokens) travels through
+   the rest of the model as the layers stream past, and its real KL at the end over the KL the formula
+   gives it is the layer's gain, which multiplies the predictions of its linears. Averaged over tokens,
+   that is each (linear, candidate)'s predicted KL; summed over linears, the model's.
 3. Allocation. Under the budget (the average stored bits per weight over the searched linears, scales
    and zero points included), a greedy multiple-choice knapsack over each linear's lower convex hull of
    (bits, predicted KL) takes the upgrades that remove the most predicted KL per bit first.
@@ -44,14 +48,16 @@ from llmopt.calibrate.forward import (
 from llmopt.errors import LlmoptError
 from llmopt.group_size import is_valid_group_size
 from llmopt.models.base import CausalLM
+from llmopt.quant.awq import awq_search_clip, awq_search_scales, scale_linear_inputs
 from llmopt.quant.fp8 import fp8_quantize
 from llmopt.quant.gptq import GPTQ, gptq_quantize
-from llmopt.quant.qtensor import QuantizedWeight
 from llmopt.quant.recipe import ModuleScheme, candidate_scheme
 from llmopt.quant.rtn import rtn_quantize
+from llmopt.quant.sequential import scaled_producers
 from llmopt.quant.targets import Target
 
 SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on (the first windows)
+PROBE_TOKENS = 512  # tokens each layer's depth probe carries to the end (the first windows of the sample)
 FISHER_SAMPLES = 4  # sampled next tokens per position for tr F_t
 _CHUNK = 256  # tokens per head evaluation (a 262k vocabulary: 256 MB of float32 logits)
 
@@ -89,6 +95,7 @@ class AutoPlan:
     seconds: float = 0.0
     reference: torch.Tensor | None = None  # [T, hidden] the unquantized final residual stream of the sample
     measured_kl: float | None = None
+    gains: list[float] = field(default_factory=list)  # per decoder layer: real KL at the end / the formula's
 
     @property
     def bits(self) -> float:
@@ -145,7 +152,7 @@ class AutoPlan:
         return {
             "target_bits": self.target_bits, "bits": round(self.bits, 4), "sample_tokens": self.sample_tokens,
             "predicted_kl": self.predicted_kl, "measured_kl": self.measured_kl, "choices": counts,
-            "seconds": round(self.seconds, 2),
+            "seconds": round(self.seconds, 2), "depth_gains": [round(g, 3) for g in self.gains],
             "modules": [{"module": m, "choice": o.candidate, "bits": round(o.bits, 4), "predicted_kl": o.kl,
                          "options": {x.candidate: x.kl for x in self.options[m]}}
                         for m, o in self.choice.items()],
@@ -214,15 +221,25 @@ def _lower_hull(opts: list[Option]) -> list[Option]:
     return pts
 
 
-def _quantize(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | None, damp: float,
-              block_size: int, act_order: bool, static_groups: bool) -> QuantizedWeight:
+def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | None, x: torch.Tensor | None,
+                 scaled: bool, opts: SearchOptions) -> torch.Tensor:
+    """`w` [out, in] as the quantize would leave it under `scheme`, dequantized to float32: by GPTQ given a
+    Hessian, by AWQ given the linear's inputs `x` [n, in] (input-channel scales searched when `scaled`, and
+    undone here: the pipeline folds 1/s into the producer, the same function), else by RTN."""
     ws = scheme.weights
     if ws.kind == "fp8":
-        return fp8_quantize(w, ws)
+        return fp8_quantize(w, ws).dequantize(torch.float32)
     if hessian is not None:
-        return gptq_quantize(w, hessian.clone(), ws, damp=damp, block_size=block_size, act_order=act_order,
-                             static_groups=act_order and static_groups)[0]
-    return rtn_quantize(w, ws)
+        return gptq_quantize(w, hessian.clone(), ws, damp=opts.damp, block_size=opts.block_size,
+                             act_order=opts.act_order,
+                             static_groups=opts.act_order and opts.static_groups)[0].dequantize(torch.float32)
+    if x is None or scheme.int8_activations:
+        return rtn_quantize(w, ws).dequantize(torch.float32)
+    s = awq_search_scales(x, [w], ws)[0].to(w.device) if scaled else None
+    if s is not None:
+        w, x = scale_linear_inputs(w, s), x / s
+    deq = rtn_quantize(w, ws, max_val=awq_search_clip(x, w, ws)).dequantize(torch.float32)
+    return deq if s is None else deq / s[None, :]
 
 
 def _run(layer, b: CalibBatch, cache: KVObserver) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -261,7 +278,8 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     cache = KVObserver(len(model.layers), model.spec.num_kv_heads)
     cache.enabled = False
     sq_err: dict[tuple[str, str], torch.Tensor] = {}  # (module, candidate) -> [T] ‖δ_t‖²
-    gptq = opts.method == "gptq"
+    gptq, awq = opts.method == "gptq", opts.method == "awq"
+    probe = _DepthProbes(model, sample, opts, load, release)
     for i, layer in enumerate(model.layers):
         load(f"layers.{i}")
         prefix = f"layers.{i}."
@@ -269,25 +287,38 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         fwd = layer_copy(layer, opts.forward_dtype)
         dev = next(fwd.parameters()).device
         hessians = {rel: GPTQ(t.in_features, dev, opts.forward_dtype) for rel, t in mine.items()} if gptq else {}
-        with InputHook({rel: fwd.get_submodule(rel) for rel in hessians},
-                       lambda rel, x, hs=hessians: hs[rel].add_batch(x)).installed():
+        inputs: dict[str, list[torch.Tensor]] = {rel: [] for rel in mine} if awq else {}
+        scaled = scaled_producers(model, mine) if awq else {}
+
+        def record(rel: str, x: torch.Tensor, hessians=hessians, inputs=inputs) -> None:
+            if gptq:
+                hessians[rel].add_batch(x)
+            else:
+                inputs[rel].append(x.reshape(-1, x.shape[-1]).float())
+
+        with InputHook({rel: fwd.get_submodule(rel) for rel in [*hessians, *inputs]}, record).installed():
             ref = [_run(fwd, b, cache) for b in batches]
         ref_stream = [residual_stream(*r) for r in ref]
+        cheapest: dict[str, torch.Tensor] = {}  # rel -> the weight under its cheapest candidate, for the probe
         for rel, t in mine.items():
             lin = fwd.get_submodule(rel)
             kept = lin.weight.data
             w = layer.get_submodule(rel).weight.data.float()
             h = hessians.pop(rel).H if gptq else None
-            for o in options[t.module]:
-                if o.scheme is None:
-                    continue
-                qw = _quantize(w, o.scheme, h, opts.damp, opts.block_size, opts.act_order, opts.static_groups)
-                lin.weight.data = qw.dequantize(opts.forward_dtype)
+            rows = inputs.pop(rel, None)
+            x = torch.cat(rows).to(w.device) if rows else None  # an expert no sampled token reached: RTN
+            quantized = [o for o in options[t.module] if o.scheme is not None]
+            for o in quantized:
+                lin.weight.data = _dequantized(w, o.scheme, h, x, rel in scaled, opts).to(opts.forward_dtype)
+                if o is min(quantized, key=lambda o: o.bits):
+                    cheapest[rel] = lin.weight.data
                 sq_err[(t.module, o.candidate)] = torch.cat([
                     (residual_stream(*_run(fwd, b, cache)).float() - s.float()).pow(2).sum(-1)
                     for b, s in zip(batches, ref_stream, strict=True)]).cpu()
             lin.weight.data = kept
-            del w, h
+            del w, h, x
+        probe.step(i, fwd, cheapest, cache)
+        del cheapest
         for b, (hidden, residual) in zip(batches, ref, strict=True):
             b.hidden, b.residual = hidden, residual
         del fwd, ref, ref_stream
@@ -297,16 +328,77 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     reference = torch.cat([b.stream for b in batches]).float()
     del batches
     fisher = _fisher_trace(model, reference, load, release) / reference.shape[-1]  # [T] tr F_t / d
+    gains = probe.gains(fisher)
     for (m, cand), err in sq_err.items():
         for o in options[m]:
             if o.candidate == cand:
-                o.kl = 0.5 * float((err * fisher).mean())
+                o.kl = 0.5 * float((err * fisher).mean()) * gains[_layer_index(m)]
     plan = into if into is not None else AutoPlan(target_bits, {}, {})
-    plan.options, plan.weights = options, weights
+    plan.options, plan.weights, plan.gains = options, weights, gains
     plan.sample_tokens, plan.reference = int(reference.shape[0]), reference
     plan.reallocate(target_bits)
     plan.seconds = time.perf_counter() - t0
     return plan
+
+
+def _layer_index(module: str) -> int:
+    """"layers.7.mlp.down_proj" -> 7."""
+    return int(module.split(".")[1])
+
+
+class _DepthProbes:
+    """Per decoder layer, how much a change it makes grows or shrinks on its way through the later layers.
+
+    Layer i's probe is the first `PROBE_TOKENS` tokens of the sample run through layer i with every linear
+    at its cheapest candidate; from there it goes through the later layers unquantized, beside an
+    unquantized copy of the same tokens, as each layer streams past. At the end, its real KL against the
+    copy over ½‖δ‖²·tr F/d of the change it left layer i with is that layer's gain (1 for a layer with no
+    searched linear, or a change too small to measure)."""
+
+    def __init__(self, model: CausalLM, sample: torch.Tensor, opts: SearchOptions, load: Callable[[str], None],
+                 release: Callable[[str], None]) -> None:
+        self.model, self.load, self.release = model, load, release
+        windows = sample[: max(1, PROBE_TOKENS // sample.shape[1])]
+        load("embed_tokens")
+        self.ref = embed_batches(model, windows, windows.shape[0], opts.forward_dtype)[0]
+        release("embed_tokens")
+        self.probes: dict[int, CalibBatch] = {}  # layer -> its probe, through the layers streamed so far
+        self.sq: dict[int, torch.Tensor] = {}  # layer -> [Tp] ‖δ_t‖² it left that layer with
+
+    def step(self, i: int, fwd: torch.nn.Module, cheapest: dict[str, torch.Tensor], cache: KVObserver) -> None:
+        """Carry the earlier probes and the copy through layer `fwd` (unquantized), and start layer i's."""
+        for b in self.probes.values():
+            b.hidden, b.residual = _run(fwd, b, cache)
+        out = _run(fwd, self.ref, cache)
+        if cheapest:
+            kept = {rel: fwd.get_submodule(rel).weight.data for rel in cheapest}
+            for rel, w in cheapest.items():
+                fwd.get_submodule(rel).weight.data = w
+            hidden, residual = _run(fwd, self.ref, cache)
+            for rel, w in kept.items():
+                fwd.get_submodule(rel).weight.data = w
+            self.probes[i] = replace(self.ref, hidden=hidden, residual=residual)
+            self.sq[i] = (residual_stream(hidden, residual).float() - residual_stream(*out).float()).pow(2).sum(-1)
+        self.ref.hidden, self.ref.residual = out
+
+    def gains(self, fisher: torch.Tensor) -> list[float]:
+        """Each layer's gain, given tr F_t / d of the sample's tokens (the probe's are its first)."""
+        out = [1.0] * len(self.model.layers)
+        if not self.probes:
+            return out
+        reference = self.ref.stream.float()
+        f = fisher[: reference.shape[0]]
+        parts = _head(self.model, self.load)
+        try:
+            for i, b in self.probes.items():
+                formula = 0.5 * float((self.sq[i].cpu() * f).mean())
+                real = _mean_kl(self.model, reference, b.stream.float())
+                if formula > 0 and math.isfinite(real) and real > 0:
+                    out[i] = real / formula
+        finally:
+            for p in parts:
+                self.release(p)
+        return out
 
 
 def _head(model: CausalLM, load: Callable[[str], None]) -> list[str]:
@@ -355,15 +447,21 @@ def measured_kl(model: CausalLM, plan: AutoPlan, final: torch.Tensor, load: Call
     assert plan.reference is not None
     parts = _head(model, load)
     try:
-        total = 0.0
-        n = plan.reference.shape[0]
-        for lo in range(0, n, _CHUNK):
-            p = _log_probs(model, plan.reference[lo:lo + _CHUNK])
-            q = _log_probs(model, final[lo:lo + _CHUNK].float())
-            total += float((p.exp() * (p - q)).sum())
+        kl = _mean_kl(model, plan.reference, final.float())
     finally:
         for p in parts:
             release(p)
-    if not math.isfinite(total):
+    if not math.isfinite(kl):
         raise LlmoptError("the quantized model's KL on the calibration sample is not finite")
-    return total / n
+    return kl
+
+
+def _mean_kl(model: CausalLM, reference: torch.Tensor, stream: torch.Tensor) -> float:
+    """Mean KL(p ‖ q) per token between the next-token distributions of two final residual streams (the
+    final norm and head already loaded)."""
+    total = 0.0
+    for lo in range(0, reference.shape[0], _CHUNK):
+        p = _log_probs(model, reference[lo:lo + _CHUNK])
+        q = _log_probs(model, stream[lo:lo + _CHUNK])
+        total += float((p.exp() * (p - q)).sum())
+    return total / reference.shape[0]

@@ -105,8 +105,9 @@ KV_NOTES = {
     "int8": ("INT8 KV-cache scales are in kv_cache_scales.json, read by llmopt only; transformers and vLLM load "
              "the weights and run their own KV cache (vLLM: --kv-cache-dtype auto or fp8)"),
     "fp8": ("FP8 KV-cache scales are a compressed-tensors kv_cache_scheme (per layer k_scale/v_scale), as "
-            "llm-compressor writes them: vLLM reads them with --kv-cache-dtype fp8; llmopt's engine runs an "
-            "fp8 cache with them by default"),
+            "llm-compressor writes them: vLLM runs an fp8 cache from them (CPU 0.32 measured: it turns the fp8 "
+            "cache on by itself, at +4.4% perplexity against +0.5% in llmopt); llmopt's engine runs an fp8 "
+            "cache with them by default"),
 }
 
 

@@ -66,9 +66,9 @@ SAMPLE_TOKENS = 512  # input rows kept per linear for AWQ searches and the error
 _EXPERT_DOWN = re.compile(r"^(mlp\.(?:experts\.\d+|shared_expert))\.down_proj$")
 
 
-def _producers(model: CausalLM, layer_targets) -> dict[str, tuple[str, str | None]]:
-    """The model class's `quant_producers` plus, for MoE layers, each expert's (and the shared expert's)
-    up_proj rows → its down_proj."""
+def scaled_producers(model: CausalLM, layer_targets) -> dict[str, tuple[str, str | None]]:
+    """The linears AWQ / SmoothQuant scale, each with the op that takes 1/s: the model class's `quant_producers`
+    plus, for MoE layers, each expert's (and the shared expert's) up_proj rows → its down_proj."""
     out = dict(type(model).quant_producers)
     for rel in layer_targets:
         m = _EXPERT_DOWN.match(rel)
@@ -290,7 +290,7 @@ class SequentialQuantizer:
         """SmoothQuant / AWQ channel scaling, folded into the producers (step 2)."""
         t0 = time.perf_counter()
         scaled = False
-        for rel, (producer, part) in _producers(self.model, layer_targets).items():
+        for rel, (producer, part) in scaled_producers(self.model, layer_targets).items():
             t = layer_targets.get(rel)
             cap = captures.get(rel)
             if t is None or cap is None or t.scheme is None:

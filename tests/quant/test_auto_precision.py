@@ -91,6 +91,31 @@ def test_more_bits_measure_less_damage(tiny_llama, tmp_path, monkeypatch):
     assert kls[1][0] < kls[0][0] and kls[1][1] < kls[0][1]
 
 
+def test_with_awq_each_candidate_is_measured_as_awq_quantizes_it(tiny_llama, tmp_path, monkeypatch):
+    """--method awq measures a candidate's damage after AWQ's scale and clip searches, not after plain RTN
+    (which ranked the linears for another quantizer): its int4 options predict less damage than RTN's."""
+    kl = {}
+    for method in ("rtn", "awq"):
+        report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / method, scheme="auto", target_bits=4.5,
+                                  candidates=["w4a16-g32", "w8a16"], method=method, **calib_options())
+        kl[method] = {m["module"]: m["options"]["w4a16-g32"] for m in report.auto["modules"]}
+    assert kl["awq"].keys() == kl["rtn"].keys()
+    assert all(kl["awq"][m] != kl["rtn"][m] for m in kl["rtn"])
+    assert sum(kl["awq"].values()) < 0.9 * sum(kl["rtn"].values())
+
+
+def test_depth_gains_size_the_prediction_like_the_measurement(tiny_llama, tmp_path, monkeypatch):
+    """Each layer's depth probe measures what the later layers do to a change it makes; with those gains the
+    predicted KL of an all-int4 plan is within 25% of the KL measured on the quantized model, and the last
+    layer, with only the head after it, where the second-order formula holds, has a gain near 1."""
+    report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "q", scheme="auto", target_bits=4.5,
+                              candidates=["w4a16-g32", "w8a16"], **calib_options())
+    auto = report.auto
+    assert len(auto["depth_gains"]) == 2 and all(g > 0 for g in auto["depth_gains"])
+    assert auto["depth_gains"][-1] == pytest.approx(1.0, rel=0.25)
+    assert auto["predicted_kl"] == pytest.approx(auto["measured_kl"], rel=0.25)
+
+
 GATE_OPTIONS = {"scheme": "auto", "candidates": ["w4a16-g32", "w8a16", "bf16"], "eval_data": KB_FACTS,
                 "eval_seq_len": 64, "device": "cpu", "forward_dtype": "float32", **calib_options()}
 
