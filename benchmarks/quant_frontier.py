@@ -291,7 +291,8 @@ def main() -> None:
     calib_text.write_text("".join(tok.decode(w, skip_special_tokens=True) for w in windows), encoding="utf-8")
 
     result: dict[str, Any] = json.loads(results_file.read_text()) if args.reuse and results_file.is_file() else {}
-    result |= {"model": args.model, "tokens": args.tokens, "num_samples": args.num_samples, "threads": args.threads,
+    result.setdefault("threads", args.threads)  # the threads the points ran with: updated when one runs
+    result |= {"model": args.model, "tokens": args.tokens, "num_samples": args.num_samples,
                "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                             if ln.startswith("model name")), "unknown"),
                "torch": torch.__version__,
@@ -327,6 +328,7 @@ def main() -> None:
         else:
             shutil.rmtree(out, ignore_errors=True)
         result["points"][label] = row
+        result["threads"] = args.threads
         save()
         log(f"{label}: {row['bytes'] / 1e6:.1f} MB, ppl {row['ppl']}")
 
