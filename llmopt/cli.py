@@ -427,6 +427,9 @@ def quantize(
                                                 "per weight of the quantized linears (scales included), e.g. 4.5."),
     candidates: Optional[str] = typer.Option(None, "--candidates", help="--scheme auto: comma list of what a "
                                              "linear may become (default w4a16-g128,w4a16-g64,w4a16-g32,w8a16,bf16)."),
+    auto_tokens: Optional[int] = typer.Option(None, "--auto-tokens", help="--scheme auto: calibration tokens each "
+                                              "candidate's damage is measured on (default 2048; more costs time, "
+                                              "and may choose better for text unlike the calibration set)."),
     gate: list[str] = typer.Option([], "--gate", help="--scheme auto: the smallest checkpoint that passes this eval "
                                    "gate on --eval-data (e.g. ppl_increase_pct<=3); repeatable."),
     eval_data: Optional[str] = typer.Option(None, "--eval-data", help="--gate: held-out text (.txt, .jsonl) to "
@@ -481,6 +484,7 @@ def quantize(
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
                          kv_cache=kv_cache, lm_head=lm_head, float_dtype=float_dtype, format=fmt, output=Path(output),
                          overwrite=overwrite, device=device, max_shard_size=max_shard_size, target_bits=target_bits, gate=gate,
+                         auto_tokens=auto_tokens,
                          eval_data=Path(eval_data) if eval_data else None, eval_seq_len=eval_seq_len,
                          eval_max_tokens=eval_max_tokens,
                          **({"candidates": [c.strip() for c in candidates.split(",")]} if candidates else {}))

@@ -2,7 +2,7 @@
 
 Streamed like `quantize` itself, one decoder layer in memory at a time:
 
-1. Damage. On a sample of the calibration windows (at most `SAMPLE_TOKENS` tokens) every decoder layer
+1. Damage. On a sample of the calibration windows (the first `SAMPLE_TOKENS` tokens; `--auto-tokens`) every decoder layer
    runs in the forward dtype. For each linear it quantizes and each candidate scheme, that linear alone
    is quantized by the method the quantize will use (RTN; with `--method gptq`, GPTQ on the sample's
    Hessian; with `--method awq`, AWQ's scale and clip searches on the sample's inputs), the layer runs again, and
@@ -56,7 +56,7 @@ from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.sequential import scaled_producers
 from llmopt.quant.targets import Target
 
-SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on (the first windows)
+SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on by default (the first windows)
 PROBE_TOKENS = 512  # tokens each layer's depth probe carries to the end (the first windows of the sample)
 FISHER_SAMPLES = 4  # sampled next tokens per position for tr F_t
 _CHUNK = 256  # tokens per head evaluation (a 262k vocabulary: 256 MB of float32 logits)
@@ -257,6 +257,7 @@ class SearchOptions:
     act_order: bool = True
     static_groups: bool = True
     batch_tokens: int = 4096
+    sample_tokens: int = SAMPLE_TOKENS
 
 
 @torch.no_grad()
@@ -271,7 +272,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     options, weights = shapes.options, shapes.weights
     searched = [t for t in targets if t.module in options]
     allocate(options, weights, target_bits)  # an impossible budget fails before any measuring
-    sample = windows[: max(1, SAMPLE_TOKENS // windows.shape[1])]
+    sample = windows[: max(1, opts.sample_tokens // windows.shape[1])]
     load("embed_tokens")
     batches = embed_batches(model, sample, max(1, opts.batch_tokens // sample.shape[1]), opts.forward_dtype)
     release("embed_tokens")

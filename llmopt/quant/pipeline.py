@@ -66,7 +66,8 @@ def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, co
     opts = SearchOptions(method=cfg.method, candidates=cfg.candidates, symmetric=cfg.symmetric,
                          forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
                          act_order=bool(cfg.act_order), static_groups=cfg.static_groups,
-                         batch_tokens=cfg.batch_tokens)
+                         batch_tokens=cfg.batch_tokens,
+                         **({"sample_tokens": cfg.auto_tokens} if cfg.auto_tokens else {}))
     assert cfg.target_bits is not None
     with layer_progress(console, "measuring each linear's candidates", len(model.layers)) as advance:
         plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance,

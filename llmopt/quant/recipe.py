@@ -90,6 +90,7 @@ class QuantizeConfig(BaseModel):
     scheme: Literal["w8a16", "w4a16", "fp8", "w8a8", "auto"]  # a Preset, or auto
     target_bits: float | None = Field(None, gt=0)  # --scheme auto: average stored bits per weight
     candidates: list[str] = list(AUTO_CANDIDATES)  # --scheme auto: what each linear may become
+    auto_tokens: int | None = Field(None, gt=0)  # --scheme auto: calibration tokens the damage is measured on
     gate: list[str] = []  # --scheme auto: eval gates the smallest checkpoint must pass on eval_data
     eval_data: Path | None = None  # --scheme auto --gate: held-out text (as `llmopt eval --ppl-data`)
     eval_seq_len: int = Field(512, ge=2)  # --gate: tokens per perplexity window
@@ -187,8 +188,8 @@ class QuantizeConfig(BaseModel):
                 raise ValueError("--scheme auto chooses every linear's scheme; use --ignore to keep one float")
             for name in self.candidates:
                 candidate_scheme(name, self.symmetric)
-        elif self.target_bits is not None or self.eval_data is not None:
-            raise ValueError("--target-bits and --eval-data apply to --scheme auto only")
+        elif self.target_bits is not None or self.eval_data is not None or self.auto_tokens is not None:
+            raise ValueError("--target-bits, --eval-data and --auto-tokens apply to --scheme auto only")
         if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
         if self.scheme == "fp8" and self.method != "rtn":

@@ -104,6 +104,13 @@ def test_with_awq_each_candidate_is_measured_as_awq_quantizes_it(tiny_llama, tmp
     assert sum(kl["awq"].values()) < 0.9 * sum(kl["rtn"].values())
 
 
+def test_auto_tokens_sets_the_damage_sample(tiny_llama, tmp_path, monkeypatch):
+    """--auto-tokens N: the damage is measured on the first N calibration tokens (whole windows, at least one)."""
+    report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "q", scheme="auto", target_bits=4.5,
+                              candidates=["w4a16-g32", "w8a16"], auto_tokens=128, **calib_options())
+    assert report.auto["sample_tokens"] == 128  # two windows of 64
+
+
 def test_depth_gains_size_the_prediction_like_the_measurement(tiny_llama, tmp_path, monkeypatch):
     """Each layer's depth probe measures what the later layers do to a change it makes; with those gains the
     predicted KL of an all-int4 plan is within 25% of the KL measured on the quantized model, and the last
