@@ -309,9 +309,10 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
             rows = inputs.pop(rel, None)
             x = torch.cat(rows).to(w.device) if rows else None  # an expert no sampled token reached: RTN
             quantized = [o for o in options[t.module] if o.scheme is not None]
+            cheap = min(quantized, key=lambda o: o.bits, default=None)
             for o in quantized:
                 lin.weight.data = _dequantized(w, o.scheme, h, x, rel in scaled, opts).to(opts.forward_dtype)
-                if o is min(quantized, key=lambda o: o.bits):
+                if o is cheap:
                     cheapest[rel] = lin.weight.data
                 sq_err[(t.module, o.candidate)] = torch.cat([
                     (residual_stream(*_run(fwd, b, cache)).float() - s.float()).pow(2).sum(-1)

@@ -20,7 +20,7 @@ from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
 from llmopt.layers.attention.kv_codes import LARGEST
 from llmopt.models.shards import parse_shard_size
-from llmopt.quant.auto import AutoPlan, SearchOptions, measured_kl, search
+from llmopt.quant.auto import SAMPLE_TOKENS, AutoPlan, SearchOptions, measured_kl, search
 from llmopt.quant.deploy import deployment
 from llmopt.quant.export import CheckpointExport, head_module, quantization_config
 from llmopt.quant.recipe import AUTO, QuantizeConfig
@@ -66,8 +66,7 @@ def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, co
     opts = SearchOptions(method=cfg.method, candidates=cfg.candidates, symmetric=cfg.symmetric,
                          forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
                          act_order=bool(cfg.act_order), static_groups=cfg.static_groups,
-                         batch_tokens=cfg.batch_tokens,
-                         **({"sample_tokens": cfg.auto_tokens} if cfg.auto_tokens else {}))
+                         batch_tokens=cfg.batch_tokens, sample_tokens=cfg.auto_tokens or SAMPLE_TOKENS)
     assert cfg.target_bits is not None
     with layer_progress(console, "measuring each linear's candidates", len(model.layers)) as advance:
         plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance,
