@@ -14,20 +14,22 @@ PKG = Path(__file__).resolve().parents[1] / "llmopt"
 
 # package -> packages it must never import
 FORBIDDEN = {
-    "layers": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "planning", "loading", "tune"},
-    "quant": {"engine", "serve", "bench", "eval", "recipe", "cli", "loading", "tune"},
-    "models": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "loading", "quant", "tune"},
-    "planning": {"engine", "serve", "bench", "eval", "quant", "calibrate", "recipe", "cli", "tune"},
+    "layers": {"step", "engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "planning", "loading", "tune"},
+    "quant": {"step", "engine", "serve", "bench", "eval", "recipe", "cli", "loading", "tune"},
+    "models": {"step", "engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "loading", "quant", "tune"},
+    "planning": {"step", "engine", "serve", "bench", "eval", "quant", "calibrate", "recipe", "cli", "tune"},
+    # the decode step (layers lowered to native calls): above models and quant, below the engine
+    "step": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "loading", "tune"},
     "engine": {"serve", "bench", "eval", "recipe", "cli", "tune"},
     "bench": {"serve", "eval", "recipe", "cli", "tune"},
     "serve": {"bench", "eval", "recipe", "cli", "tune"},
     "eval": {"serve", "bench", "recipe", "cli", "tune"},
     "calibrate": {"serve", "bench", "eval", "recipe", "cli", "tune"},
-    "loading": {"engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "tune"},
+    "loading": {"step", "engine", "serve", "bench", "eval", "calibrate", "recipe", "cli", "tune"},
     # searches that quantize and then evaluate: above quant and eval, below the recipe runner
     "tune": {"serve", "bench", "recipe", "cli"},
     # the HTML page builder is a leaf below the commands that build their sections with it
-    "report": {"layers", "quant", "models", "planning", "engine", "serve", "bench", "eval", "calibrate", "loading",
+    "report": {"layers", "step", "quant", "models", "planning", "engine", "serve", "bench", "eval", "calibrate", "loading",
                "recipe", "cli"},
 }
 

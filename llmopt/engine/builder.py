@@ -86,9 +86,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     max_model_len = min(max_len, num_blocks * config.block_size)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           config.enable_chunked_prefill, config.scheduling_policy)
-    runner = ModelRunner(model, kv_cache, attn)
+    native = config.decode_step == "native"
+    runner = ModelRunner(model, kv_cache, attn, native)
     draft_runner = None if draft is None else ModelRunner(
-        draft, attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype), attn)
+        draft, attn.make_cache(ds.num_layers, num_blocks, ds.num_kv_heads, ds.head_dim, draft_dtype), attn, native)
     return EngineParts(resolved, s, device, dtype, model, wdir, tokenizer, eos, structured, kv_cache,
                        kv_bytes, num_blocks, max_model_len, block_manager, scheduler, runner, draft_runner, threads)
 

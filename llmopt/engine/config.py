@@ -39,6 +39,9 @@ class EngineConfig(BaseModel):
     # True: plain eager torch: no TorchInductor, no packed weights (llmopt.layers.packed_linear) and none
     # of our C kernels (llmopt.native)
     enforce_eager: bool = False
+    # "native": bf16 CPU decode steps run every layer in one native call (llmopt.step); "eager": layer by
+    # layer in Python (the same kernels, the same output bits)
+    decode_step: Literal["native", "eager"] = "native"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"

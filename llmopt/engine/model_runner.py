@@ -19,6 +19,7 @@ from llmopt.engine.sequence import Sequence
 from llmopt.engine.spec_decode.verifier import verify
 from llmopt.layers.attention import AttentionBackend, AttentionMetadata
 from llmopt.models.base import CausalLM
+from llmopt.step import DecodeStep
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose full-vocabulary logits are held at once
 
@@ -41,9 +42,11 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache, attn_backend: AttentionBackend):
-        """`cache`: the KV pool `attn_backend` made, in its layout."""
+    def __init__(self, model: CausalLM, cache, attn_backend: AttentionBackend, native_step: bool = True):
+        """`cache`: the KV pool `attn_backend` made, in its layout. `native_step`: decode steps run as one
+        native call where `DecodeStep` takes them (llmopt.step), else layer by layer."""
         self.model, self.cache, self.attn_backend, self.device = model, cache, attn_backend, attn_backend.device
+        self.decode_step = DecodeStep.build(model, cache, attn_backend) if native_step else None
 
     def _layout(self, items: list[tuple[list[list[int]], int, list[int]]],
                 ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -89,6 +92,8 @@ class ModelRunner:
 
     def forward(self, inp: ModelInput, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of one prepared pass; writes its K/V into the cache."""
+        if self.decode_step is not None and self.decode_step.takes(inp.attn_metadata):
+            return self.decode_step(inp.input_ids, inp.positions, inp.attn_metadata, num_layers)
         return self.model(inp.input_ids, inp.positions, self.cache, inp.attn_metadata, num_layers=num_layers)
 
     @torch.inference_mode()

@@ -33,6 +33,12 @@ class NativeOps:
             fn.restype = None
         self._lib, self.path = lib, path
 
+    def addresses(self) -> dict[str, int]:
+        """The C functions' addresses, for callers that run them from C (llmopt/step/decode_step.c)."""
+        lib = self._lib
+        return {name: ctypes.cast(fn, ctypes.c_void_p).value or 0 for name, fn in
+                (("norm", lib.rms_norm_bf16), ("rotary", lib.rotary_bf16), ("act", lib.gated_act_bf16))}
+
     def _norm(self, x, residual, weight, eps, offset):
         if not (_bf16_cpu(x, 2) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
                 and weight.shape == x.shape[-1:]):

@@ -47,6 +47,11 @@ class Bf16LinearKernel:
         self.amx_min_rows = dict(AMX_MIN_ROWS)
         self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
 
+    def addresses(self) -> dict[str, int]:
+        """The C functions' addresses, for callers that run them from C (llmopt/step/decode_step.c)."""
+        return {name: ctypes.cast(fn, ctypes.c_void_p).value or 0
+                for name, fn in (("linear", self._vnni), ("linear_amx", self._amx), ("linear_int4", self._int4))}
+
     def uses_amx(self, m: int, k: int, weight_dtype: torch.dtype) -> bool:
         """Whether a call of m rows over k inputs (weights of `weight_dtype`) runs on AMX tiles, else on the
         VNNI kernel."""

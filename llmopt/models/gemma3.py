@@ -39,6 +39,8 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    decode_lowering = "gemma3"  # how llmopt.step lowers it (read off this class only, not subclasses)
+
     def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
         self.self_attn = Gemma3Attention(spec, layer_idx, dtype, device)

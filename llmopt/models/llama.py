@@ -52,8 +52,10 @@ class LlamaAttention(nn.Module):
         # q and k heads are adjacent in the fused output: rotate them in one go
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q, ops=meta.ops), self.k_norm(k, ops=meta.ops)], dim=1)
+            # per head as [rows, head_dim] (a view for one token), so the native norm takes it
+            q, k = (x.reshape(-1, self.head_dim) for x in qk.split([self.num_heads, self.num_kv_heads], dim=1))
+            qk = torch.cat([self.q_norm(q, ops=meta.ops).view(t, self.num_heads, self.head_dim),
+                            self.k_norm(k, ops=meta.ops).view(t, self.num_kv_heads, self.head_dim)], dim=1)
         qk = kernels.call(meta.ops, apply_rotary, qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -62,6 +64,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """Gated MLP: act(gate) * up, then down. `act` is SiLU for llama, GELU-tanh for Gemma 3's GeGLU."""
+
+    decode_lowering = "gated_mlp"  # how llmopt.step lowers it (read off this class only, not subclasses)
 
     def __init__(self, spec: ModelSpec, dtype, device, act=silu_and_mul):
         super().__init__()
@@ -75,6 +79,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    decode_lowering = "llama"  # how llmopt.step lowers it (read off this class only, not subclasses)
+
     def __init__(self, spec: ModelSpec, layer_idx: int, dtype, device):
         super().__init__()
         self.self_attn = LlamaAttention(spec, layer_idx, dtype, device)

@@ -193,7 +193,7 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
     packed kernels (AMX tiles or AVX512-BF16 pairs) and oneDNN's F.linear each sum in their own order, which
     on some CPUs and shapes differs by one bf16 rounding in a few elements (test_packed_linear_matches_f_linear
     holds each to the float32-summation bound). enforce_eager leaves the weights plain, fp32 is never packed."""
-    packed = LLM(str(tiny_llama), dtype="bfloat16")
+    packed = LLM(str(tiny_llama), dtype="bfloat16", decode_step="eager")  # layer by layer, so that:
     packed.engine.runner.attn_backend._kernel = None  # SDPA decode: the paged decode kernel rounds differently
     eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
     fp32 = LLM(str(tiny_llama), dtype="float32")

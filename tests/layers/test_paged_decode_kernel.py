@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from llmopt.layers.attention import PagedAttention, PagedKVCache, get_backend
 from llmopt.layers.attention import paged_decode_kernel as pdk
+from llmopt.step.program import OP_ATTEND
 
 BS = 16
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -124,12 +125,14 @@ def test_int8_pool_and_eager_backend_do_not_use_the_kernel():
 
 
 @needs_cc
-def test_bf16_engine_decodes_through_the_kernel(tiny_llama):
-    """A bf16 engine's decode steps run the kernel and agree with an enforce_eager engine (gather + SDPA)
-    up to bf16 rounding: the same greedy tokens, logprobs within a few hundredths."""
+@pytest.mark.parametrize("decode_step", ["eager", "native"])
+def test_bf16_engine_decodes_through_the_kernel(tiny_llama, decode_step):
+    """A bf16 engine's decode steps run the kernel (from the attention backend layer by layer, or from the
+    native step's program) and agree with an enforce_eager engine (gather + SDPA) up to bf16 rounding: the
+    same greedy tokens, logprobs within a few hundredths."""
     from llmopt import LLM, SamplingParams
 
-    fast = LLM(str(tiny_llama), dtype="bfloat16")
+    fast = LLM(str(tiny_llama), dtype="bfloat16", decode_step=decode_step)
     eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
     g = torch.Generator().manual_seed(5)
     vocab = fast.engine.spec.vocab_size
@@ -139,5 +142,8 @@ def test_bf16_engine_decodes_through_the_kernel(tiny_llama):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
             assert abs(la[t] - lb[t]) < 0.05
-    assert isinstance(fast.engine.runner.attn_backend._kernel, pdk.PagedDecodeKernel)
+    if decode_step == "eager":
+        assert isinstance(fast.engine.runner.attn_backend._kernel, pdk.PagedDecodeKernel)
+    else:
+        assert any(op.kind == OP_ATTEND for op in fast.engine.runner.decode_step.program.ops)
     assert eager.engine.runner.attn_backend._kernel is False  # never loaded: enforce_eager is plain torch

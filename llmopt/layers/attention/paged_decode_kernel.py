@@ -32,6 +32,10 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         self._fn, self._lib, self.path = fn, lib, path
 
+    def address(self) -> int:
+        """The C function's address, for callers that run it from C (llmopt/step/decode_step.c)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value or 0
+
     @staticmethod
     def supports(q: torch.Tensor, k_pool: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
         return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_pool.dtype == torch.bfloat16

@@ -1,0 +1,119 @@
+"""The native decode step (llmopt.step): every family it lowers and every feature around a decode step
+gives greedy tokens identical to the eager step (`decode_step="eager"`), the native call really runs
+(counted), and what it does not take runs eagerly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmopt import LLM, SamplingParams
+from llmopt.layers.packed_linear import vnni_kernel
+from llmopt.step import DecodeStep
+from tests.engine_utils import token_ids
+from tests.models.families import (  # noqa: F401
+    WINDOW,
+    tiny_gemma3,
+    tiny_mistral_sw,
+    tiny_qwen3,
+    tiny_qwen3_mixed,
+    tiny_qwen3_moe,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+from _pipeline_helpers import calib_options, quantize_tiny  # noqa: E402
+
+pytestmark = pytest.mark.skipif(vnni_kernel() is None, reason="no AVX512-BF16 here: bf16 steps run eagerly")
+
+# 20 sequences of 3-90 prompt tokens: decode groups of different context lengths, batch sizes that shrink
+# as sequences finish at different lengths, and contexts past the sliding window of the windowed families
+PROMPTS = [[3 + (7 * i + j) % 400 for j in range(3 + (i * 29) % 88)] for i in range(20)]
+
+
+@pytest.fixture
+def native_calls(monkeypatch) -> list[int]:
+    """The row count of every native step that runs (a spy around the real call)."""
+    calls: list[int] = []
+    real = DecodeStep.__call__
+
+    def spy(self, input_ids, *args, **kwargs):
+        calls.append(input_ids.shape[0])
+        return real(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStep, "__call__", spy)
+    return calls
+
+
+def _both(model_dir, prompts=PROMPTS, max_tokens=(6, 30), **engine) -> tuple[list, list]:
+    """Greedy tokens with the eager and the native step (each prompt gets its own max_tokens)."""
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens[0] + i % max_tokens[1], ignore_eos=True)
+              for i in range(len(prompts))]
+    out = []
+    for mode in ("eager", "native"):
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", num_kv_blocks=256, decode_step=mode, **engine)
+        assert (llm.engine.runner.decode_step is not None) == (mode == "native")
+        out.append(token_ids(llm, prompts, params))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_sw", "tiny_qwen3_mixed",
+                                    "tiny_gemma3"])
+def test_greedy_tokens_identical_to_the_eager_step(family, request, native_calls):
+    model_dir = request.getfixturevalue(family)
+    eager, native = _both(model_dir)
+    assert native == eager
+    assert len(native_calls) > 20 and max(native_calls) == len(PROMPTS) and min(native_calls) == 1
+    if family in ("tiny_mistral_sw", "tiny_qwen3_mixed", "tiny_gemma3"):
+        assert max(len(p) for p in PROMPTS) > 2 * WINDOW
+
+
+@pytest.mark.parametrize("case", ["w8a16", "w4a16", "w4a16-gptq-act-order"])
+def test_quantized_projections_identical(case, tiny_llama, tmp_path, monkeypatch, native_calls):
+    scheme = case.split("-")[0]
+    # act-order with a group index (GPTQ format): the kernel reads x's columns permuted
+    extra = ({"method": "gptq", "act_order": True, "static_groups": False, "format": "gptq", **calib_options()}
+             if "gptq" in case else {})
+    if scheme == "w4a16":
+        extra["group_size"] = 32  # w8a16: per channel, the scheme our int8 kernel runs
+    quantize_tiny(monkeypatch, tiny_llama, tmp_path / "q", scheme=scheme, **extra)
+    eager, native = _both(tmp_path / "q", prompts=PROMPTS[:6])
+    assert native == eager and native_calls
+    step = LLM(str(tmp_path / "q"), dtype="bfloat16", device="cpu", num_kv_blocks=64).engine.runner.decode_step
+    kinds = {op.i[0] for op in step.program.ops if op.kind == 2}  # OP_LINEAR's storage
+    assert kinds == {1 if scheme == "w8a16" else 2}  # every decoder projection quantized, on its kernel
+    if "act-order" in case:
+        assert any(op.kind == 3 for op in step.program.ops)  # the input permutation runs in the step
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "layer_skip", "draft_layers": 1}])
+def test_speculative_decoding_identical(spec, tiny_llama, native_calls):
+    rep = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9, list(range(3, 40))]
+    eager, native = _both(tiny_llama, prompts=rep, max_tokens=(24, 1),
+                          speculative={**spec, "max_batch_size": 64, "disable_below_acceptance": 0.0})
+    assert native == eager and native_calls
+
+
+def test_prefix_cache_and_logprobs_identical(tiny_llama, native_calls):
+    shared = list(range(3, 60))
+    prompts = [shared + [100 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    out = []
+    for mode in ("eager", "native"):
+        llm = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode)
+        res = [o.outputs[0] for o in llm.generate(prompts, params)]
+        out.append([(c.token_ids, [sorted(lp.items()) for lp in c.logprobs]) for c in res])
+    assert out[0] == out[1] and native_calls
+
+
+def test_what_the_step_does_not_take_runs_eagerly(tiny_llama, tiny_qwen3_moe, native_calls):  # noqa: F811
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    moe = LLM(str(tiny_qwen3_moe), dtype="bfloat16", device="cpu", num_kv_blocks=64)
+    assert moe.engine.runner.decode_step is None  # MoE layers are not lowered
+    assert len(token_ids(moe, PROMPTS[:2], params)[0]) == 4
+    for engine in ({"dtype": "float32"}, {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+                   {"dtype": "bfloat16", "enforce_eager": True}):
+        llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64, **engine)
+        assert llm.engine.runner.decode_step is None, engine
+    assert not native_calls
