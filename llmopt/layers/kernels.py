@@ -52,12 +52,21 @@ def call(ops: Ops, fn: Callable, *args):
         try:
             if fn not in _compiled:
                 _compiled[fn] = torch.compile(fn, dynamic=True)
-            return _compiled[fn](*args)
+            with _no_duck_shapes():
+                return _compiled[fn](*args)
         except Exception as e:  # inductor fails with many exception types (compiler missing, lowering)
             msg = str(e).strip().splitlines()
             _broken.append(f"{type(e).__name__}: {msg[0] if msg else ''}")
             log.warning("compiled kernels unavailable (%s); running eagerly", _broken[0])
     return fn(*args)
+
+
+def _no_duck_shapes():
+    """Trace without duck sizing: by default dynamo assumes two sizes (or a size and a stride) that were
+    equal on the first call stay equal, and recompiles when a later step's shapes differ (a prefill chunk
+    whose context equals its length, then one over a cached prefix): a few seconds of compile in the
+    middle of serving, for each such pair."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def choose(dtype: torch.dtype, device: torch.device, num_tokens: int) -> Ops:

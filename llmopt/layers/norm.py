@@ -36,9 +36,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: Ops = Ops.EAGER):
         """With `residual`, returns (norm(x + residual), x + residual); `ops`: see `llmopt.layers.kernels`."""
+        # detached: a compiled function treats a Parameter's shape as static, and would recompile for the
+        # q/k norms' head_dim after the hidden size (a plain tensor's shape stays dynamic)
+        weight = self.weight.detach() if ops is Ops.COMPILED else self.weight
         if residual is None:
-            return kernels.call(ops, self.norm_fn, x, self.weight, self.eps)
-        return kernels.call(ops, self.add_norm_fn, x, residual, self.weight, self.eps)
+            return kernels.call(ops, self.norm_fn, x, weight, self.eps)
+        return kernels.call(ops, self.add_norm_fn, x, residual, weight, self.eps)
 
 
 @kernels.has_native

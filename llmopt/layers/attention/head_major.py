@@ -20,6 +20,7 @@ from llmopt.layers.attention.paged_decode_kernel import load as load_decode_kern
 from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 from llmopt.layers.kernels import Ops
 
+NO_WINDOW = 1 << 40  # a full layer's window for the compiled prefill function (no position is that far back)
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
 # past this many query x context positions a chunk uses SDPA, which streams what `causal_attention` holds. With
 # AMX tiles (amx_bf16), torch's SDPA is 3-12x faster than the compiled function at every size (16 to 2,048
@@ -142,8 +143,12 @@ class HeadMajorBackend(AttentionBackend):
                 kc, vc = (x[:, 0, :chunk.ctx_len] for x in pool.read_blocks(idx, chunk.blocks[g]))  # [Hkv, ctx, D]
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
             if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
-                outs.append(kernels.call(Ops.COMPILED, causal_attention, q[start:end], kc, vc, layer.scale,
-                                         chunk.ctx_len - chunk.q_len, layer.window or 0))
+                # contiguous: the compiled function is traced for one stride layout (a chunk's own K/V
+                # is a view of the fused qkv output, a cached context a gathered copy), and a full layer's
+                # window is one no context reaches, so full and sliding layers share one graph
+                outs.append(kernels.call(Ops.COMPILED, causal_attention, q[start:end].contiguous(), kc.contiguous(),
+                                         vc.contiguous(), layer.scale, chunk.ctx_len - chunk.q_len,
+                                         layer.window or NO_WINDOW))
             else:
                 outs.append(_prefill_sdpa(layer, q[start:end], kc, vc, mask))
             start = end
