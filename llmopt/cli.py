@@ -25,6 +25,8 @@ THREADS_DEFAULT = "auto"  # llmopt.engine.threads.COMMAND_DEFAULT, without impor
 THREADS_HELP = ("CPU threads: N, or auto (the cores other processes leave free, followed while running; "
                 "OpenMP threads on a core another process holds make decode several times slower).")
 err_console = Console(stderr=True)
+DECODE_STEP_HELP = ("native: a bf16 CPU decode step runs all its layers in one native call (llmopt.step); eager: "
+                    "layer by layer in Python (same kernels, same tokens; for A/B runs).")
 
 
 def _version(value: bool) -> None:
@@ -93,13 +95,15 @@ def generate(
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8|fp8 (e4m3)"),
     threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
+    decode_step: str = typer.Option("native", help=DECODE_STEP_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate one completion through the llmopt engine, streaming it to the terminal."""
     from llmopt.engine.llm import LLM, stream_text
     from llmopt.engine.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, num_threads=threads)
+    llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, num_threads=threads,
+              decode_step=decode_step)
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     final = None
     for piece in stream_text(llm, prompt, params, chat=chat):
@@ -116,14 +120,14 @@ def generate(
                "output_tokens": n, "ttft_ms": round(m.ttft * 1000, 1),
                "decode_tok_s": round((n - 1) / decode_s, 1) if decode_s > 0 else None,
                "dtype": str(llm.engine.dtype).replace("torch.", ""), "device": str(llm.engine.device),
-               "threads": llm.engine.threads.threads}
+               "threads": llm.engine.threads.threads, "decode_step": llm.engine.decode_step_kind}
     if as_json:
         _print_json(summary)
     else:
         console.out("")
         err_console.print(f"[dim]{n} tokens · finish {out.finish_reason} · TTFT {summary['ttft_ms']} ms · "
                           f"decode {summary['decode_tok_s']} tok/s · {summary['dtype']} on {summary['device']} · "
-                          f"{llm.engine.threads.describe()}[/]")
+                          f"{llm.engine.threads.describe()} · {summary['decode_step']} decode step[/]")
 
 
 @app.command()
@@ -291,6 +295,7 @@ def serve(
     enforce_eager: bool = typer.Option(False, "--enforce-eager",
                                        help="Plain eager torch on CPU: no compiled bf16/fp16 prefill kernels, "
                                        "no oneDNN-packed bf16/fp16 weights and none of our C kernels."),
+    decode_step: str = typer.Option("native", help=DECODE_STEP_HELP),
     speculative: Optional[str] = typer.Option(None, help="Speculative decoding: ngram (prompt lookup), "
                                               "layer_skip (self-draft) or draft (--draft-model); turned off "
                                               "while degraded."),
@@ -359,7 +364,7 @@ def serve(
     engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                  kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                  enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
-                                 enforce_eager=enforce_eager, num_threads=threads,
+                                 enforce_eager=enforce_eager, num_threads=threads, decode_step=decode_step,
                                  speculative=(_speculative(speculative, num_speculative_tokens, draft_model)
                                               if speculative else None),
                                  **sizes)

@@ -53,6 +53,11 @@ class LLMEngine:
         self.stat_listeners: list[Callable[[StepStats], None]] = []
         self._next_id = 0
 
+    @property
+    def decode_step_kind(self) -> str:
+        """How decode steps run: "native" (one call per step, llmopt.step) or "eager" (layer by layer)."""
+        return "native" if self.runner.decode_step is not None else "eager"
+
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 

@@ -75,8 +75,8 @@ def build_app(state: ServerState, on_fatal: Callable[[], None] | None = None) ->
             return
         state.ready = True
         eng = state.engine_loop.engine
-        log.info("ready: serving %s on %s, %s", state.model_name, eng.device if eng else "?",
-                 eng.threads.describe() if eng else "?")
+        log.info("ready: serving %s on %s, %s, %s decode step", state.model_name, eng.device if eng else "?",
+                 eng.threads.describe() if eng else "?", eng.decode_step_kind if eng else "?")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

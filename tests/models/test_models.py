@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from llmopt.errors import LlmoptError
+from llmopt.layers.packed_linear import vnni_kernel
 from llmopt.models import ModelSpec, resolve_model
 from llmopt.models import resolve as resolve_mod
 from llmopt.models.resolve import weights_dir
@@ -109,14 +110,16 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     for args in (["vram-plan", str(tmp_path / "nope")], ["vram-plan", str(cfg)],
                  ["generate", str(tmp_path / "nope"), "-p", "hi"],
                  ["generate", str(tmp_path / "nope"), "-p", "hi", "--dtype", "f8"],
-                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--threads", "0"]):
+                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--threads", "0"],
+                 ["generate", str(tmp_path / "nope"), "-p", "hi", "--decode-step", "fast"]):
         r = subprocess.run([sys.executable, "-m", "llmopt", *args], capture_output=True, text=True)
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         errors.append(r.stderr)
     # the engine config refuses these before looking for the model
-    assert "invalid dtype" in errors[-2] and "positive count or auto" in errors[-1]
+    assert "invalid dtype" in errors[-3] and "positive count or auto" in errors[-2]
+    assert "decode_step" in errors[-1] and "native" in errors[-1]
 
 
 def test_cli_version_and_help():
@@ -126,13 +129,17 @@ def test_cli_version_and_help():
     assert r.returncode == 0 and "vram-plan" in r.stdout
 
 
-def test_cli_generate_json(tiny_llama):
+@pytest.mark.parametrize("decode_step", ["native", "eager"])
+def test_cli_generate_json(tiny_llama, decode_step):
     r = subprocess.run([sys.executable, "-m", "llmopt", "generate", str(tiny_llama), "-p", "The quick",
-                        "--max-tokens", "5", "--json", "--threads", "1"], capture_output=True, text=True)
+                        "--max-tokens", "5", "--json", "--threads", "1", "--dtype", "bf16",
+                        "--decode-step", decode_step], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["output_tokens"] <= 5 and out["finish_reason"] in ("stop", "length")
     assert out["threads"] == 1
+    native_here = vnni_kernel() is not None  # the step runs where our bf16 kernels do
+    assert out["decode_step"] == ("native" if decode_step == "native" and native_here else "eager")
 
 
 @pytest.mark.parametrize("model_type,arch,bias,qk_norm", [
