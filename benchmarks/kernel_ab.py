@@ -28,6 +28,7 @@ from llmopt.layers import packed_linear
 from llmopt.layers.attention import paged_decode_kernel
 from llmopt.quant import Int8WeightOnlyLinear, int8_kernel
 from llmopt.quant.packed_int8 import PackedInt8Linear
+from llmopt.step import DecodeStep
 
 KERNELS = {  # name -> (module that loads it, its wrapper class)
     "paged_decode": (paged_decode_kernel, paged_decode_kernel.PagedDecodeKernel),
@@ -55,6 +56,11 @@ def use(llm: LLM, module, lib) -> None:
         elif (isinstance(m, (packed_linear.PackedLinear, PackedInt8Linear)) and m.kernel is not None
               and module is packed_linear):
             m.kernel = lib  # each module holds the kernel it packed for
+        elif getattr(m, "mode", None) == "cpu-vnni-int4" and module is packed_linear:
+            m._vnni = lib
+    for runner in (llm.engine.runner, llm.engine.draft_runner):  # the native step holds the kernels' addresses
+        if runner is not None and runner.decode_step is not None:
+            runner.decode_step = DecodeStep.build(runner.model, runner.cache, runner.attn_backend)
 
 
 def main() -> None:

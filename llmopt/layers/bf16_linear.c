@@ -64,12 +64,15 @@ static void i4_table_init(void) {
 }
 
 // 16 bytes of one int4 pair row (16 outputs x k, k + 1) as 32 bf16 (q - 8) in the VNNI pair order, exact.
+// Byte j widened to dword j holds both codes of output j: its low word gets the low nibble (k), its high word
+// the high one (k + 1), which is the pair order; then one table lookup. Two cross-lane shuffles per 32 weights
+// (the widening and the lookup): at one row the shuffles, not memory, bound the int4 matmul.
 static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(pairs), table);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    // (d & 0x0f) | ((d << 12) & 0xf0000): ternary-logic 0xEA is (A & B) | C with A = d << 12, B = the mask
+    const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(0x0f));
+    const __m512i codes = _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f0000), lo, 0xEA);
+    return (__m512bh)_mm512_permutexvar_epi16(codes, table);
 }
 
 // rows x[0..mt) against one panel of nv vectors; `valid` of its outputs are written (the rest is padding).
