@@ -60,10 +60,13 @@ interop: install
 
 # Not part of `make test`: builds llama.cpp (minutes, .peers/llama.cpp) and vLLM CPU, then llmopt serve vs
 # llama-server vs vLLM CPU at matched precision; PEERS_ARGS="--quick" for a short run (docs/BENCHMARKS.md, Peers)
+# Then the single stream again on the 1.2B Llama shape (DRAM-bound; written once into .peers/shapes/1b, 6.6 GB
+# with its GGUFs), llmopt against llama.cpp at each precision.
 bench-peers: install
 	bash benchmarks/peers/install_llamacpp.sh
 	bash benchmarks/peers/install_vllm.sh
 	$(PY) benchmarks/peers/run_peers.py $(PEERS_ARGS)
+	$(PY) benchmarks/peers/run_peers.py --shape 1b --workloads single --engines llmopt,llamacpp --out runs/peers-1b $(PEERS_ARGS)
 
 # Not part of `make test`: installs llm-compressor into .peers/llmcompressor, then its RTN/GPTQ/AWQ against ours on
 # the same windows; writes the table into docs/QUANTIZE.md (QUANT_PEERS_ARGS="--only awq --reuse" for a part)

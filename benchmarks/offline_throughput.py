@@ -1,7 +1,8 @@
 """Offline engine benchmarks, measured side by side in ONE run on the same machine, model and dtype.
 
     python benchmarks/offline_throughput.py --dtype float32 [--model smollm2-135m|gemma3-270m]
-        [--only mixed,single,prefix,overhead] [--num-requests 64] [--enforce-eager] [--skip-transformers]
+        [--only mixed,single,prefix,overhead] [--num-requests 64] [--enforce-eager] [--decode-step native|eager]
+        [--skip-transformers]
 
 - mixed:    64 requests (`--num-requests`), prompts 32-512 tokens, outputs 16-256 (ignore_eos). llmopt continuous batching
             vs transformers static batches of 16 in arrival order, each run to its longest request.
@@ -153,11 +154,14 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="llmopt without its compiled prefill kernels and packed CPU weights")
+    ap.add_argument("--decode-step", default="native", choices=["native", "eager"],
+                    help="llmopt's decode step: one native call (default) or layer by layer")
     ap.add_argument("--skip-transformers", action="store_true",
                     help="mixed: llmopt alone (comparing two llmopt builds; transformers' static batches take minutes)")
     args = ap.parse_args()
     which = set(args.only.split(","))
-    llm_args = {"model": args.model, "dtype": args.dtype, "enforce_eager": args.enforce_eager}
+    llm_args = {"model": args.model, "dtype": args.dtype, "enforce_eager": args.enforce_eager,
+                "decode_step": args.decode_step}
     llm = LLM(**llm_args, max_num_seqs=64)
     hf = hf_model(llm, llm.engine.dtype) if which & {"single"} or (
         "mixed" in which and not args.skip_transformers) else None

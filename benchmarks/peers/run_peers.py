@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--single-prompts", type=int, help="single-stream requests (256 tokens each)")
     ap.add_argument("--prefix-prompts", type=int, help="shared-prefix requests")
     ap.add_argument("--workloads", default="mixed,single,prefix")
+    ap.add_argument("--shape", choices=SHAPES, default=SHAPES[0],
+                    help="smollm2-135m (the embedded model) or 1b (a 1.2B Llama shape, written once into .peers/shapes)")
     ap.add_argument("--engines", default=",".join(pp.ENGINES))
     ap.add_argument("--precisions", default=",".join(pp.PRECISIONS))
     ap.add_argument("--servers", help=f"explicit server list: {','.join(pp.SERVERS)}")
@@ -86,19 +88,47 @@ def _csv(text: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ models
 
 
-def server_models(names: list[str]) -> dict[str, str]:
+SHAPES = ("smollm2-135m", "1b")  # the embedded model (cache-resident), the 1.2B Llama shape (DRAM-bound)
+
+
+def shape_models(shape: str) -> tuple[Path, dict[str, Path]]:
+    """(the bf16 HF folder, llama.cpp's GGUF per type) of a shape. The 1B shape is written once into
+    .peers/shapes/1b by big_model.py's writer (seeded random weights, 2.3 GB) and converted and quantized by
+    llama.cpp's own tools next to it (BF16, Q8_0, Q4_0: 4.3 GB more)."""
+    if shape == "smollm2-135m":
+        return ps.hf_dir(), ps.gguf_models()
+    sys.path.insert(0, str(HERE.parent))
+    import big_model
+
+    work = ROOT / ".peers/shapes" / shape
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        print(f"writing the {shape} checkpoint into {hf}", file=sys.stderr, flush=True)
+        big_model.write_checkpoint(shape, hf)
+    ggufs = {q: work / f"{shape}-{q}.gguf" for q in ("bf16", "q8_0", "q4_0")}
+    if not ggufs["bf16"].is_file():
+        subprocess.run([str(big_model.LLAMACPP_PY), str(ps.LLAMACPP / "bin/convert_hf_to_gguf.py"), str(hf),
+                        "--outtype", "bf16", "--outfile", str(ggufs["bf16"])], check=True)
+    for q in ("q8_0", "q4_0"):
+        if not ggufs[q].is_file():
+            subprocess.run([str(ps.LLAMACPP / "bin/llama-quantize"), str(ggufs["bf16"]), str(ggufs[q]), q.upper()],
+                           check=True)
+    return hf, ggufs
+
+
+def server_models(names: list[str], shape: str = "smollm2-135m") -> dict[str, str]:
     """name -> the model path each server loads (quantizing ours once, into .peers/llmopt-models)."""
-    hf = str(ps.hf_dir())
-    ggufs = ps.gguf_models()
+    hf_path, ggufs = shape_models(shape)
+    hf = str(hf_path)
     ours = ROOT / ".peers/llmopt-models"
     out: dict[str, str] = {}
     for n in names:
         if n in ("llmopt-bf16", "vllm-bf16"):
             out[n] = hf
         elif n == "llmopt-w8a16":
-            out[n] = str(ps.quantized_checkpoint(ours / "smollm2-135m-w8a16", "w8a16"))
+            out[n] = str(ps.quantized_checkpoint(ours / f"{shape}-w8a16", "w8a16", model=hf))
         elif n in ("llmopt-w4a16", "vllm-w4a16"):
-            out[n] = str(ps.quantized_checkpoint(ours / "smollm2-135m-w4a16-g32", "w4a16", group_size=32))
+            out[n] = str(ps.quantized_checkpoint(ours / f"{shape}-w4a16-g32", "w4a16", group_size=32, model=hf))
         else:
             gguf = ggufs[n.split("-", 1)[1]]
             if not gguf.is_file():
@@ -200,7 +230,7 @@ def cpu_name() -> str:
 def run(args: argparse.Namespace, sizes: pp.Sizes, names: list[str], out: Path) -> dict:
     workloads = _csv(args.workloads)
     job_list = pp.jobs(sizes, workloads)
-    models = server_models(names)
+    models = server_models(names, args.shape)
     weights = weight_bytes(models)
     bw = {}
     for mib in sorted({buffer_mib(w) for w in weights.values()} | {DRAM_MIB}):
@@ -243,7 +273,7 @@ def run(args: argparse.Namespace, sizes: pp.Sizes, names: list[str], out: Path) 
         events.append({"round": round_, "server": name, "seconds": round(time.monotonic() - t0, 1),
                        "ready_s": round(srv.ready_s or 0, 1), "loadavg_before": load0, "loadavg_after": os.getloadavg()})
     return {"rows": [dataclasses.asdict(r) for r in rows], "events": events, "failed_start": failed_start,
-            "models": models, "weights": weights, "kv_per_position": pp.kv_bytes_per_position(ps.model_config(ps.hf_dir())),
+            "models": models, "weights": weights, "kv_per_position": pp.kv_bytes_per_position(ps.model_config(shape_models(args.shape)[0])),
             "bandwidth": bw, "servers": names,
             "sizes": dataclasses.asdict(sizes), "jobs": [dataclasses.asdict(j) for j in job_list]}
 
