@@ -25,7 +25,7 @@ from llmopt.layers.kernels import Ops
 from llmopt.layers.packed_linear import vnni_kernel
 from llmopt.models.base import CausalLM
 from llmopt.step.lowering import NotLowered, lower_model
-from llmopt.step.program import OP_NAMES
+from llmopt.step.program import OP_NAMES, OP_ROTARY
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class DecodeStep:
         self.residual = self.program.buffer("residual", model.spec.hidden_size).tensor
         self.num_kv_groups = getattr(cache, "num_groups", 1)
         self.head_dim = model.spec.head_dim
+        self.rope_sets = 1 + max((op.i[0] for op in self.program.ops if op.kind == OP_ROTARY), default=0)
         self.step = Step()
         self.profile: ctypes.Array | None = None  # see `start_profile`
 
@@ -93,6 +94,7 @@ class DecodeStep:
         self.step.seconds = ctypes.addressof(self.profile)
 
     def stop_profile(self) -> None:
+        """Stop the clock reads (`op_seconds()` keeps what was added)."""
         self.step.seconds = None
 
     def op_seconds(self) -> dict[str, float]:
@@ -143,6 +145,8 @@ class DecodeStep:
         self.residual[:t].copy_(self.model.embed(input_ids))
         rope = self.model.rotary(positions)
         sets = rope if isinstance(rope[0], tuple) else (rope,)
+        if len(sets) < self.rope_sets:
+            raise RuntimeError(f"decode step: the program reads {self.rope_sets} RoPE tables, the model gave {len(sets)}")
         s = self.step
         s.rows, s.nthreads = t, torch.get_num_threads()
         for i, (cos, sin) in enumerate(sets):  # [T, 1, D] float32, contiguous: what the C code reads
