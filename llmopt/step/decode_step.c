@@ -34,7 +34,8 @@ typedef struct {  // the kernels, from native_ops.c, bf16_linear.c and paged_dec
 } kernels_t;
 
 enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTARY = 4, OP_KV_WRITE = 5,
-       OP_ATTEND = 6, OP_ACT = 7 };
+       OP_ATTEND = 6, OP_ACT = 7, OP_COPY_COLS = 8 };
+#define NUM_OP_KINDS 9
 
 // One op. `a` and `b` are row-major [rows, width] buffers (bf16 unless said); widths and strides in elements.
 //   NORM       out = norm(a) over rows of n[1], a's rows n[0] apart; with b: a + b is rounded, written to b
@@ -50,6 +51,8 @@ enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTA
 //              scratch p[2] when not contiguous) over pools p[0], p[1] ([n[2], n[4], n[3]], block size n[5]),
 //              KV group i[0], window i[1], scale f[0], per decode group of the step.
 //   ACT        out [rows, n[0]] = act(gate) * up over a [rows, 2 * n[0]]; i[0] 1: GELU-tanh, 0: SiLU.
+//   COPY_COLS  out[t][n[2] + j] = a[t][j] for j < n[0], out's rows n[1] wide (a part of a fused projection
+//              into its columns: a ConcatLinear's parts run one by one, as torch.cat joins them).
 typedef struct {
     int32_t kind, i[3];
     int64_t n[6];
@@ -66,7 +69,7 @@ typedef struct {
     int64_t num_decode_groups;
     const int64_t *decode_groups;  // [num_decode_groups][DG_FIELDS]; pointers stored as int64
     int nthreads;
-    double *seconds;  // NULL, or [8]: seconds spent per op kind are added here (the step's profile)
+    double *seconds;  // NULL, or [NUM_OP_KINDS]: seconds spent per op kind are added here (the step's profile)
 } step_t;
 
 static double now(void) {
@@ -138,6 +141,9 @@ static int run_op(const kernels_t *k, const op_t *o, const step_t *s) {
     case OP_ACT:
         ((act_fn)k->act)(o->a, T, o->n[0], o->i[0], o->out, nt);
         return 0;
+    case OP_COPY_COLS:
+        for (int64_t t = 0; t < T; t++) memcpy(o->out + t * o->n[1] + o->n[2], o->a + t * o->n[0], (size_t)o->n[0] * 2);
+        return 0;
     default:
         return 9;
     }
@@ -152,11 +158,11 @@ int64_t decode_step(const kernels_t *k, const op_t *ops, int64_t n, const op_t *
         const double t0 = s->seconds ? now() : 0.;
         const int rc = run_op(k, o, s);
         if (rc) return ((int64_t)rc << 16) | (i + 1);
-        if (s->seconds && o->kind >= 0 && o->kind < 8) s->seconds[o->kind] += now() - t0;
+        if (s->seconds && o->kind >= 0 && o->kind < NUM_OP_KINDS) s->seconds[o->kind] += now() - t0;
     }
     return 0;
 }
 
 int decode_step_limits(int which) {  // the limits above, so the Python side never disagrees with them
-    return which == 0 ? MAX_KV_GROUPS : which == 1 ? MAX_ROPE_SETS : DG_FIELDS;
+    return which == 0 ? MAX_KV_GROUPS : which == 1 ? MAX_ROPE_SETS : which == 2 ? DG_FIELDS : NUM_OP_KINDS;
 }

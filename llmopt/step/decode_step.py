@@ -57,8 +57,8 @@ class StepLibrary:
         lib.decode_step.argtypes = [ptr, ptr, i64, ptr, i64, ptr]  # kernels, ops, n, tail ops, n, step
         lib.decode_step.restype = ctypes.c_int64
         lib.decode_step_limits.restype = ctypes.c_int
-        limits = [lib.decode_step_limits(i) for i in range(3)]
-        if limits != [MAX_KV_GROUPS, MAX_ROPE_SETS, DG_FIELDS]:
+        limits = [lib.decode_step_limits(i) for i in range(4)]
+        if limits != [MAX_KV_GROUPS, MAX_ROPE_SETS, DG_FIELDS, len(OP_NAMES)]:
             raise OSError(f"decode_step.c limits {limits} differ from decode_step.py's")
         self.fn, self.path = lib.decode_step, path
 

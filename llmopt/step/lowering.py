@@ -18,6 +18,7 @@ from llmopt.layers.packed_linear import PackedLinear
 from llmopt.models.base import CausalLM
 from llmopt.quant.linear import Int4WeightOnlyLinear
 from llmopt.quant.packed_int8 import PackedInt8Linear
+from llmopt.quant.rows import ConcatLinear
 from llmopt.step.program import Buffer, LinearWeights, Program
 
 
@@ -25,10 +26,15 @@ class NotLowered(Exception):
     """What the step does not take, in a few words (the engine logs it once and runs eagerly)."""
 
 
-def linear_weights(mod: nn.Module) -> LinearWeights:
-    """The kernel inputs of a projection that runs on one of our CPU kernels."""
+def linear_weights(mod: nn.Module) -> LinearWeights | list[LinearWeights]:
+    """The kernel inputs of a projection that runs on one of our CPU kernels (a list: a ConcatLinear's parts)."""
     if mod._forward_hooks or mod._forward_pre_hooks:
         raise NotLowered("a projection has hooks")
+    if type(mod) is ConcatLinear:
+        parts = [linear_weights(p) for p in mod.parts]
+        if any(isinstance(p, list) for p in parts):
+            raise NotLowered("a ConcatLinear of ConcatLinears")
+        return parts  # type: ignore[return-value]
     if type(mod) is PackedLinear and mod.kernel is not None:
         k = mod.kernel
         amx = k.amx_min_rows[torch.bfloat16] if k.uses_amx(1 << 30, mod.in_features, torch.bfloat16) else -1

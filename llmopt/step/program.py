@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 # decode_step.c's enum
-OP_NORM, OP_HEAD_NORM, OP_LINEAR, OP_GATHER_COLS, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_ACT = range(8)
-OP_NAMES = ("norm", "head_norm", "linear", "gather_cols", "rotary", "kv_write", "attend", "act")
+OP_NORM, OP_HEAD_NORM, OP_LINEAR, OP_GATHER_COLS, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_ACT, OP_COPY_COLS = range(9)
+OP_NAMES = ("norm", "head_norm", "linear", "gather_cols", "rotary", "kv_write", "attend", "act", "copy_cols")
 STORAGE = {"bf16": 0, "int8": 1, "int4": 2}
 
 
@@ -100,7 +100,16 @@ class Program:
         self._op(OP_HEAD_NORM, Buffer(x.tensor), Buffer(out.tensor), i=(int(offset),),
                  n=(x.width, head_dim, x.offset, out.width, out.offset, heads), f=(eps,), p=(weight,))
 
-    def linear(self, x: Buffer, w: LinearWeights, out: Buffer) -> None:
+    def linear(self, x: Buffer, w: LinearWeights | list[LinearWeights], out: Buffer) -> None:
+        """out = x @ W^T; a list: the parts of a fused projection (a ConcatLinear), each into its columns."""
+        if isinstance(w, list):
+            col = 0
+            for part in w:
+                scratch = self.buffer(f"part{part.out_features}", part.out_features)
+                self.linear(x, part, scratch)
+                self._op(OP_COPY_COLS, scratch, out, n=(part.out_features, out.width, col))
+                col += part.out_features
+            return
         if w.perm is not None:
             gathered = self.buffer(f"gathered{w.in_features}", w.in_features)
             self._op(OP_GATHER_COLS, x, gathered, n=(w.in_features,), p=(w.perm,))
