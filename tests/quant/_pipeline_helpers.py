@@ -42,6 +42,17 @@ def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[
     return report, captured["modules"]
 
 
+def held_out_ppl(model: Path, text: str, tokens: int = 4096, seq_len: int = 512) -> float:
+    """Perplexity of the engine on `model` over the first `tokens` tokens of `text`, in windows of `seq_len`."""
+    from llmopt.eval.engines import EngineOptions, build_llm
+    from llmopt.eval.perplexity import score_text
+
+    engine = build_llm(str(model), EngineOptions(max_batch_tokens=2048)).engine
+    ids = engine.tokenizer.encode(text)[:tokens]
+    assert len(ids) == tokens
+    return score_text(engine, ids, seq_len).nll[0].ppl
+
+
 def calib_options(num_samples: int = 6, seq_len: int = 64) -> dict[str, Any]:
     return {"calib_data": [str(KB_CALIB)], "num_samples": num_samples, "seq_len": seq_len}
 

@@ -9,25 +9,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from llmopt.eval.engines import EngineOptions, build_llm
-from llmopt.eval.perplexity import score_text
 from llmopt.eval.textdata import load_text
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 from tests.conftest import requires_smollm2
+from tests.quant._pipeline_helpers import held_out_ppl
 
 pytestmark = [pytest.mark.slow, requires_smollm2]
 
 CALIB = Path(__file__).resolve().parents[2] / "calibration_data"
-EVAL_TOKENS = 4096
-SEQ_LEN = 512
-
-
-def _ppl(model: Path, text: str) -> float:
-    engine = build_llm(str(model), EngineOptions(max_batch_tokens=2048)).engine
-    ids = engine.tokenizer.encode(text)[:EVAL_TOKENS]
-    assert len(ids) == EVAL_TOKENS
-    return score_text(engine, ids, SEQ_LEN).nll[0].ppl
 
 
 def test_auto_at_g32_bits_beats_uniform_g32_on_held_out_text(shared_data, tmp_path):
@@ -38,5 +28,5 @@ def test_auto_at_g32_bits_beats_uniform_g32_on_held_out_text(shared_data, tmp_pa
                                   output=tmp_path / "uniform"), quiet)
     quantize_model(QuantizeConfig(model="smollm2-135m", scheme="auto", target_bits=4.5, device="cpu",
                                   output=tmp_path / "auto", **calib), quiet)
-    uniform, auto = _ppl(tmp_path / "uniform", text), _ppl(tmp_path / "auto", text)
+    uniform, auto = held_out_ppl(tmp_path / "uniform", text), held_out_ppl(tmp_path / "auto", text)
     assert auto < uniform, f"auto at 4.5 bits {auto:.3f} >= uniform W4A16 g32 {uniform:.3f} (RTN both)"

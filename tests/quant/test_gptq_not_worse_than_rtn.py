@@ -13,25 +13,17 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from llmopt.eval.engines import EngineOptions, build_llm
-from llmopt.eval.perplexity import score_text
 from llmopt.eval.textdata import load_text
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 from tests.conftest import requires_smollm2
+from tests.quant._pipeline_helpers import held_out_ppl
 
 pytestmark = [pytest.mark.slow, requires_smollm2]
 
 CALIB = Path(__file__).resolve().parents[2] / "calibration_data"
-EVAL_TOKENS = 4096  # 8 windows of 512: GPTQ's lead over RTN here is several times the seed-to-seed spread
-SEQ_LEN = 512
-
-
-def _ppl(model: Path, text: str) -> float:
-    engine = build_llm(str(model), EngineOptions(max_batch_tokens=2048)).engine
-    ids = engine.tokenizer.encode(text)[:EVAL_TOKENS]
-    assert len(ids) == EVAL_TOKENS
-    return score_text(engine, ids, SEQ_LEN).nll[0].ppl
+EVAL_TOKENS = 4096  # held_out_ppl's default, 8 windows of 512: GPTQ's lead over RTN here is several times the
+# seed-to-seed spread
 
 
 def test_default_gptq_is_not_worse_than_rtn_on_held_out_text(shared_data, tmp_path):
@@ -43,5 +35,5 @@ def test_default_gptq_is_not_worse_than_rtn_on_held_out_text(shared_data, tmp_pa
                                            calib_data=[str(CALIB / "general_prose.jsonl"),
                                                        str(CALIB / "kb_calibration.jsonl")]), quiet)
     assert report.settings["act_order"] is True  # the default this test guards
-    rtn, gptq = _ppl(tmp_path / "rtn", text[:40000]), _ppl(tmp_path / "gptq", text[:40000])
+    rtn, gptq = held_out_ppl(tmp_path / "rtn", text[:40000]), held_out_ppl(tmp_path / "gptq", text[:40000])
     assert gptq <= rtn, f"GPTQ (default options) {gptq:.3f} > RTN {rtn:.3f} on {EVAL_TOKENS} WikiText-2 tokens"
