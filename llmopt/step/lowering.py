@@ -1,8 +1,8 @@
 """Each family's decoder layer as decode-step ops. A layer class names its lowering in its own body
 (`decode_lowering = "llama"`; a subclass may change what a layer does, so it inherits none and lowers
 only once it names one itself), and `LOWERINGS` maps the names to functions. A lowering mirrors the layer's
-`forward` call for call; `lower_model` returns None, with the reason, for anything it does not take (then
-the eager path runs the step): another layer class, a projection without one of our CPU kernels, hooks.
+`forward` call for call; `lower_model` raises `NotLowered`, with the reason, for anything it does not take
+(then the eager path runs the step): another layer class, a projection without one of our CPU kernels, hooks.
 """
 
 from __future__ import annotations
