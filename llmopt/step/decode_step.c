@@ -25,12 +25,14 @@ typedef int (*linear_fn)(const uint16_t *, int64_t, int64_t, const void *, int, 
                          int64_t, uint16_t *, int);
 typedef int (*linear4_fn)(const uint16_t *, int64_t, int64_t, const uint8_t *, const uint16_t *, int64_t,
                           const uint16_t *, int64_t, uint16_t *, int);
-typedef int (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, int64_t,
-                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                         float, uint16_t *, int);
+typedef int (*attend_fn)(const uint16_t *, const void *, const void *, const float *, const float *, int,
+                         const int64_t *, int64_t, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, float, uint16_t *, int);
+typedef int (*kv_quantize_fn)(const uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *, int,
+                              const float *, void *, float *, int64_t);
 
 typedef struct {  // the kernels, from native_ops.c, bf16_linear.c and paged_decode.c
-    void *norm, *rotary, *act, *linear, *linear_amx, *linear_int4, *attend;
+    void *norm, *rotary, *act, *linear, *linear_amx, *linear_int4, *attend, *kv_quantize;
 } kernels_t;
 
 enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTARY = 4, OP_KV_WRITE = 5,
@@ -46,10 +48,12 @@ enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTA
 //   GATHER_COLS out[t][j] = a[t][perm[j]], perm = p[0] (int32), n[0] columns.
 //   ROTARY     out [rows, n[1], n[2]] = RoPE(a, rows n[0] apart), with the step's table set i[0].
 //   KV_WRITE   K rows of a (n[0] apart) and V rows of b (n[1] apart) into the pools p[0], p[1] ([n[2] heads,
-//              n[4] slots, n[3]]) at the slots of KV group i[0].
+//              n[4] slots, n[3]]) at the slots of KV group i[0]; i[1] 1 / 2: as int8 / fp8 codes, their
+//              scales into p[2], p[3] ([n[2], n[4]] float), from the static per-head scales p[4], p[5] if set.
 //   ATTEND     out [rows, n[1] * n[3]] = paged decode attention of q = a (rows n[0] apart, copied to the
-//              scratch p[2] when not contiguous) over pools p[0], p[1] ([n[2], n[4], n[3]], block size n[5]),
-//              KV group i[0], window i[1], scale f[0], per decode group of the step.
+//              scratch p[2] when not contiguous) over pools p[0], p[1] ([n[2], n[4], n[3]], block size n[5];
+//              i[2] 1 / 2: int8 / fp8 codes with scales p[3], p[4]), KV group i[0], window i[1], scale f[0],
+//              per decode group of the step.
 //   ACT        out [rows, n[0]] = act(gate) * up over a [rows, 2 * n[0]]; i[0] 1: GELU-tanh, 0: SiLU.
 //   COPY_COLS  out[t][n[2] + j] = a[t][j] for j < n[0], out's rows n[1] wide (a part of a fused projection
 //              into its columns: a ConcatLinear's parts run one by one, as torch.cat joins them).
@@ -57,7 +61,7 @@ typedef struct {
     int32_t kind, i[3];
     int64_t n[6];
     float f[2];
-    const void *p[3];
+    const void *p[6];
     const uint16_t *a, *b;
     uint16_t *out;
 } op_t;
@@ -110,6 +114,13 @@ static int run_op(const kernels_t *k, const op_t *o, const step_t *s) {
     case OP_KV_WRITE: {
         const int64_t hkv = o->n[2], d = o->n[3], slots = o->n[4];
         const int64_t *slot = s->slots[o->i[0]];
+        if (o->i[1]) {
+            const kv_quantize_fn quantize = (kv_quantize_fn)k->kv_quantize;
+            return quantize(o->a, o->n[0], T, hkv, d, slot, o->i[1], (const float *)o->p[4], (void *)o->p[0],
+                            (float *)o->p[2], slots) ||
+                   quantize(o->b, o->n[1], T, hkv, d, slot, o->i[1], (const float *)o->p[5], (void *)o->p[1],
+                            (float *)o->p[3], slots);
+        }
         uint16_t *kp = (uint16_t *)o->p[0], *vp = (uint16_t *)o->p[1];
         for (int64_t t = 0; t < T; t++)
             for (int64_t h = 0; h < hkv; h++) {
@@ -129,8 +140,9 @@ static int run_op(const kernels_t *k, const op_t *o, const step_t *s) {
         int64_t row = 0;
         for (int64_t g = 0; g < s->num_decode_groups; g++) {
             const int64_t *dg = s->decode_groups + g * DG_FIELDS, *kv = dg + 2 + 3 * o->i[0];
-            const int rc = ((attend_fn)k->attend)(q + row * h * d, (const uint16_t *)o->p[0], (const uint16_t *)o->p[1],
-                                                  (const int64_t *)(intptr_t)kv[0], kv[1],
+            const int rc = ((attend_fn)k->attend)(q + row * h * d, o->p[0], o->p[1], (const float *)o->p[3],
+                                                  (const float *)o->p[4], o->i[2], (const int64_t *)(intptr_t)kv[0],
+                                                  kv[1],
                                                   (const int64_t *)(intptr_t)dg[1], dg[0], h, hkv, d, o->n[4], o->n[5],
                                                   kv[2], o->i[1], o->f[0], o->out + row * h * d, nt);
             if (rc) return rc;

@@ -5,8 +5,10 @@ built) and makes one call; nothing runs in Python per layer.
 
 Output is bit for bit the eager step's: the same kernels on the same inputs (the eager path of a decode
 step under `kernels.MIN_TOKENS` rows runs these kernels one Python call at a time). Steps the program does
-not take (prefill chunks, bigger batches, int8/fp8 KV, other dtypes or devices) run eagerly. A CUDA backend
-would be a capture of the same step per batch-size bucket (docs/ARCHITECTURE.md, "The decode step").
+not take (prefill chunks, bigger batches, other dtypes or devices) run eagerly. An int8 / fp8 KV cache is
+read by the same kernel on both paths, and written here by `paged_kv_quantize`, which stores the bytes the
+eager path's torch code stores (a test compares them). A CUDA backend would be a capture of the same step
+per batch-size bucket (docs/ARCHITECTURE.md, "The decode step").
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ DG_FIELDS = 2 + 3 * MAX_KV_GROUPS
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_void_p) for n in ("norm", "rotary", "act", "linear", "linear_amx", "linear_int4", "attend")]
+    _fields_ = [(n, ctypes.c_void_p) for n in ("norm", "rotary", "act", "linear", "linear_amx", "linear_int4", "attend",
+                                               "kv_quantize")]
 
 
 class Step(ctypes.Structure):
@@ -68,7 +71,8 @@ def _kernels() -> Kernels | None:
     ops, linear, attend = native_ops.load(), vnni_kernel(), load_attention()
     if ops is None or linear is None or attend is None:
         return None
-    return Kernels(**ops.addresses(), **linear.addresses(), attend=attend.address())
+    return Kernels(**ops.addresses(), **linear.addresses(), attend=attend.address(),
+                   kv_quantize=attend.quantize_address())
 
 
 class DecodeStep:
@@ -104,7 +108,7 @@ class DecodeStep:
     @classmethod
     def build(cls, model: CausalLM, cache, backend) -> DecodeStep | None:
         """The step for `model` over `cache`, or None (with the reason logged once) where it does not run:
-        not a bf16 CPU model with our kernels, a quantized KV cache, or a layer the lowering does not take."""
+        not a bf16 CPU model with our kernels, or a layer the lowering does not take."""
         reason = cls._refusal(model, cache, backend)
         if reason is None:
             lib = native.load(SOURCE, StepLibrary, "decode steps run layer by layer")
@@ -126,8 +130,6 @@ class DecodeStep:
             return "not a bf16 model on a CPU"
         if not isinstance(backend, HeadMajorBackend) or not backend.allow_compiled:
             return "eager mode or another attention backend"
-        if cache.quantized:
-            return "a quantized KV cache"
         if getattr(cache, "num_groups", 1) > MAX_KV_GROUPS:
             return f"more than {MAX_KV_GROUPS} KV groups"
         return None

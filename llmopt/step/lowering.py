@@ -74,9 +74,9 @@ def _attention(prog: Program, attn: nn.Module, cache, block_size: int, rope_set:
     qk = prog.buffer("qk", (h + hkv) * d)
     prog.rotary(rope_in, h + hkv, d, rope_set, qk)
     g, pool, idx = cache.locate(pa.layer_idx)
-    prog.kv_write(qk.at(h * d), qkv.at((h + hkv) * d), pool.k[idx], pool.v[idx], g)
+    prog.kv_write(qk.at(h * d), qkv.at((h + hkv) * d), pool, idx, g)
     attn_out = prog.buffer("attn", h * d)
-    prog.attend(qk, h, pool.k[idx], pool.v[idx], block_size, g, pa.window or 0, pa.scale, attn_out)
+    prog.attend(qk, h, pool, idx, block_size, g, pa.window or 0, pa.scale, attn_out)
     prog.linear(attn_out, linear_weights(attn.o_proj), out)
 
 

@@ -13,13 +13,14 @@ import torch
 OP_NORM, OP_HEAD_NORM, OP_LINEAR, OP_GATHER_COLS, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_ACT, OP_COPY_COLS = range(9)
 OP_NAMES = ("norm", "head_norm", "linear", "gather_cols", "rotary", "kv_write", "attend", "act", "copy_cols")
 STORAGE = {"bf16": 0, "int8": 1, "int4": 2}
+CODES = {None: 0, "int8": 1, "fp8": 2}  # a KV pool's kind (PagedKVCache.codes), as paged_decode.c numbers them
 
 
 class Op(ctypes.Structure):
     """decode_step.c's op_t (the meaning of each field per kind is in that file)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("i", ctypes.c_int32 * 3), ("n", ctypes.c_int64 * 6),
-                ("f", ctypes.c_float * 2), ("p", ctypes.c_void_p * 3), ("a", ctypes.c_void_p),
+                ("f", ctypes.c_float * 2), ("p", ctypes.c_void_p * 6), ("a", ctypes.c_void_p),
                 ("b", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
@@ -120,18 +121,29 @@ class Program:
     def rotary(self, x: Buffer, heads: int, head_dim: int, rope_set: int, out: Buffer) -> None:
         self._op(OP_ROTARY, x, out, i=(rope_set,), n=(x.width, heads, head_dim))
 
-    def kv_write(self, k: Buffer, v: Buffer, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_group: int) -> None:
-        """k, v rows into one layer's pools [Hkv, slots, D] at the step's slots of `kv_group`."""
+    def kv_write(self, k: Buffer, v: Buffer, pool, layer: int, kv_group: int) -> None:
+        """K rows of `k` and V rows of `v` into layer `layer` of `pool` (a PagedKVCache) at the slots of KV
+        group `kv_group`: copied, or for an int8 / fp8 pool quantized as PagedKVCache.write does (its
+        calibrated static scales, if set by now, are read from where they are)."""
+        k_pool = pool.k[layer]
         hkv, slots, d = k_pool.shape
-        self._op(OP_KV_WRITE, k, None, b=v, i=(kv_group,), n=(k.width, v.width, hkv, d, slots),
-                 p=(k_pool, v_pool))
+        codes = CODES[pool.codes]
+        scales = (pool.k_scale[layer], pool.v_scale[layer]) if codes else (None, None)
+        static = ((pool.static_k_scale[layer], pool.static_v_scale[layer]) if codes and pool.static_k_scale is not None
+                  else (None, None))
+        self._op(OP_KV_WRITE, k, None, b=v, i=(kv_group, codes), n=(k.width, v.width, hkv, d, slots),
+                 p=(k_pool, pool.v[layer], *scales, *static))
 
-    def attend(self, q: Buffer, num_heads: int, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
-               kv_group: int, window: int, scale: float, out: Buffer) -> None:
+    def attend(self, q: Buffer, num_heads: int, pool, layer: int, block_size: int, kv_group: int, window: int,
+               scale: float, out: Buffer) -> None:
+        """Paged decode attention of the q heads in `q` over layer `layer` of `pool` (bf16, int8 or fp8)."""
+        k_pool = pool.k[layer]
         hkv, slots, d = k_pool.shape
+        codes = CODES[pool.codes]
+        scales = (pool.k_scale[layer], pool.v_scale[layer]) if codes else (None, None)
         scratch = self.buffer(f"q{num_heads * d}", num_heads * d).tensor
-        self._op(OP_ATTEND, q, out, i=(kv_group, window), n=(q.width, num_heads, hkv, d, slots, block_size),
-                 f=(scale,), p=(k_pool, v_pool, scratch))
+        self._op(OP_ATTEND, q, out, i=(kv_group, window, codes), n=(q.width, num_heads, hkv, d, slots, block_size),
+                 f=(scale,), p=(k_pool, pool.v[layer], scratch, *scales))
 
     def act(self, x: Buffer, intermediate: int, gelu: bool, out: Buffer) -> None:
         self._op(OP_ACT, x, out, i=(int(gelu),), n=(intermediate,))

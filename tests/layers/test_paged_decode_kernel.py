@@ -1,6 +1,7 @@
-"""The bf16 paged decode kernel on its own: against gather + SDPA over the same blocks, for the head
-layouts, context lengths, sliding windows and thread counts the engine sends it; its build cache; and
-the fallback to SDPA when it cannot be built."""
+"""The paged decode kernel on its own: against gather + SDPA over the same blocks (bf16 pools, and int8 /
+fp8 codes against their dequantized values), for the head layouts, context lengths, sliding windows and
+thread counts the engine sends it; its quantized K/V writer against the torch one, byte for byte; its build
+cache; and the fallback to SDPA when it cannot be built."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from llmopt.layers.attention import PagedAttention, PagedKVCache, get_backend
 from llmopt.layers.attention import paged_decode_kernel as pdk
+from llmopt.layers.attention.kv_codes import decode
 from llmopt.step.program import OP_ATTEND
 
 BS = 16
@@ -68,6 +70,70 @@ def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, window, start_
     torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def _filled_pool(codes, kv_heads, head_dim, gen, num_blocks=96):
+    """A pool of `codes` filled through PagedKVCache.write (torch), values with a spread of magnitudes per
+    token: (codes pools [Hkv, S, D], scales [Hkv, S, 1], the dequantized float values)."""
+    cache = PagedKVCache(1, num_blocks, BS, kv_heads, head_dim, torch.bfloat16, torch.device("cpu"), codes)
+    n = num_blocks * BS
+    k = (torch.randn(n, kv_heads, head_dim, generator=gen) * torch.rand(n, kv_heads, 1, generator=gen) * 4)
+    v = (torch.randn(n, kv_heads, head_dim, generator=gen) * torch.rand(n, kv_heads, 1, generator=gen) * 4)
+    cache.write(0, k.to(torch.bfloat16), v.to(torch.bfloat16), torch.arange(n))
+    kf = decode(cache.k[0], cache.k_scale[0], codes, torch.float32)
+    vf = decode(cache.v[0], cache.v_scale[0], codes, torch.float32)
+    return cache, kf, vf
+
+
+@needs_cc
+@pytest.mark.parametrize("codes", ["int8", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("window,start_block", [(0, 0), (37, 2)])
+def test_kernel_over_quantized_codes(codes, heads, kv_heads, head_dim, window, start_block):
+    """int8 / fp8 pools: the kernel turns codes into bf16 (exactly) and applies the scales to scores and
+    weights; the result is SDPA's over the dequantized values, to float32 rounding."""
+    kernel = pdk.load()
+    gen = torch.Generator().manual_seed(head_dim + window)
+    cache, kf, vf = _filled_pool(codes, kv_heads, head_dim, gen)
+    lens = torch.tensor([200, 61, 33], dtype=torch.long)
+    n = -(-200 // BS) - start_block
+    blocks = torch.stack([torch.randperm(96, generator=gen)[:n] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = kernel(q, cache.k[0], cache.v[0], blocks, lens, start_block, BS, window, scale, codes, cache.k_scale[0],
+                 cache.v_scale[0])
+    ref = _reference(q, kf, vf, blocks, lens, start_block, window, scale)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=1e-2)
+    wrong = _reference(q, kf * 1.1, vf, blocks, lens, start_block, window, scale)  # the check can fail
+    assert not torch.allclose(got.float(), wrong, atol=2e-2, rtol=1e-2)
+
+
+@needs_cc
+@pytest.mark.parametrize("codes", ["int8", "fp8"])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantized_writer_stores_the_torch_bytes(codes, static):
+    """paged_kv_quantize (the native step's K/V write) stores exactly what PagedKVCache.write stores: the
+    same codes and scales, for rounding ties, fp8's subnormal range, zeros and the largest values."""
+    kernel = pdk.load()
+    gen = torch.Generator().manual_seed(7)
+    hkv, d, n = 3, 64, 300
+    x = torch.randn(n, hkv, d, generator=gen) * torch.logspace(-6, 2, n).view(n, 1, 1)
+    x[0] = 0.0
+    x[1, :, ::2] = 0.5  # ties at every scale
+    x[2] = torch.linspace(-1e-3, 1e-3, d)  # fp8 subnormals after scaling
+    x = x.to(torch.bfloat16)
+    slots = torch.randperm(4 * n, generator=gen)[:n]
+    ref = PagedKVCache(1, 4 * n // BS, BS, hkv, d, torch.bfloat16, torch.device("cpu"), codes)
+    ours = PagedKVCache(1, 4 * n // BS, BS, hkv, d, torch.bfloat16, torch.device("cpu"), codes)
+    if static:
+        for c in (ref, ours):
+            c.set_static_scales(torch.tensor([0.01, 0.2, 3.0]), torch.tensor([0.5, 0.02, 1.0]))
+    ref.write(0, x, x * 2, slots)
+    kernel.quantize(x, slots, codes, ours.k[0], ours.k_scale[0], ours.static_k_scale[0] if static else None)
+    kernel.quantize(x * 2, slots, codes, ours.v[0], ours.v_scale[0], ours.static_v_scale[0] if static else None)
+    assert torch.equal(ours.k, ref.k) and torch.equal(ours.v, ref.v)
+    assert torch.equal(ours.k_scale, ref.k_scale) and torch.equal(ours.v_scale, ref.v_scale)
+    assert ours.k.count_nonzero() > 0.25 * ours.k[0, :, slots].numel()  # not a pool of zeros
+
+
 @needs_cc
 def test_kernel_check_is_sharp():
     """A wrong block table is caught: the comparison above can fail."""
@@ -115,11 +181,9 @@ def test_failed_build_falls_back_to_sdpa(no_compiler, caplog):
     torch.testing.assert_close(out.float(), ref.transpose(0, 1).reshape(1, 32), atol=1e-2, rtol=1e-2)
 
 
-def test_int8_pool_and_eager_backend_do_not_use_the_kernel():
-    cache8 = PagedKVCache(1, 4, 4, 1, 16, torch.bfloat16, torch.device("cpu"), "int8")
+def test_eager_backend_and_fp32_do_not_use_the_kernel():
     plain = PagedKVCache(1, 4, 4, 1, 16, torch.bfloat16, torch.device("cpu"))
     attn, q = PagedAttention(0, 2, 1, 16), torch.zeros(1, 2, 16, dtype=torch.bfloat16)
-    assert get_backend(torch.device("cpu"), 4).decode_kernel(q, cache8, attn) is None
     assert get_backend(torch.device("cpu"), 4, allow_compiled=False).decode_kernel(q, plain, attn) is None
     assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), plain, attn) is None
 

@@ -16,7 +16,7 @@ from llmopt.layers.linear import set_submodule
 from llmopt.layers.packed_linear import PackedLinear, vnni_kernel
 from llmopt.quant.rows import ConcatLinear
 from llmopt.step import DecodeStep
-from llmopt.step.program import OP_COPY_COLS
+from llmopt.step.program import OP_ATTEND, OP_COPY_COLS, OP_KV_WRITE
 from tests.engine_utils import token_ids
 from tests.models.families import (  # noqa: F401
     WINDOW,
@@ -112,13 +112,27 @@ def test_prefix_cache_and_logprobs_identical(tiny_llama, native_calls):
     assert out[0] == out[1] and native_calls
 
 
+@pytest.mark.parametrize("codes", ["int8", "fp8"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+def test_quantized_kv_cache_identical(codes, family, request, native_calls):
+    """int8 / fp8 KV: the step quantizes its K/V rows in C (the eager step in torch: the same bytes) and
+    both read them with the same kernel; Gemma 3 with its sliding pools."""
+    eager, native = _both(request.getfixturevalue(family), prompts=PROMPTS[:8], kv_cache_dtype=codes)
+    assert native == eager and native_calls
+    llm = LLM(str(request.getfixturevalue(family)), dtype="bfloat16", device="cpu", num_kv_blocks=64,
+              kv_cache_dtype=codes)
+    ops = llm.engine.runner.decode_step.program.ops
+    want = {"int8": 1, "fp8": 2}[codes]
+    assert {op.i[1] for op in ops if op.kind == OP_KV_WRITE} == {want}
+    assert {op.i[2] for op in ops if op.kind == OP_ATTEND} == {want}
+
+
 def test_what_the_step_does_not_take_runs_eagerly(tiny_llama, tiny_qwen3_moe, native_calls):  # noqa: F811
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     moe = LLM(str(tiny_qwen3_moe), dtype="bfloat16", device="cpu", num_kv_blocks=64)
     assert moe.engine.runner.decode_step is None  # MoE layers are not lowered
     assert len(token_ids(moe, PROMPTS[:2], params)[0]) == 4
-    for engine in ({"dtype": "float32"}, {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
-                   {"dtype": "bfloat16", "enforce_eager": True}):
+    for engine in ({"dtype": "float32"}, {"dtype": "bfloat16", "enforce_eager": True}):
         llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64, **engine)
         assert llm.engine.runner.decode_step is None, engine
     assert not native_calls

@@ -52,9 +52,10 @@ class HeadMajorBackend(AttentionBackend):
     _kernel: PagedDecodeKernel | None | bool = False  # False: not loaded yet
 
     def decode_kernel(self, q: torch.Tensor, pool: PagedKVCache, layer: PagedAttention) -> PagedDecodeKernel | None:
-        """The paged decode kernel when it takes this layer's decodes: bf16 on a CPU, not int8 KV, not
-        `enforce_eager`. fp32 stays on SDPA, so greedy fp32 output remains token-identical to transformers."""
-        if (not self.allow_compiled or pool.quantized
+        """The paged decode kernel when it takes this layer's decodes: bf16 on a CPU (over a bf16, int8 or
+        fp8 pool), not `enforce_eager`. fp32 stays on SDPA, so greedy fp32 output remains token-identical to
+        transformers."""
+        if (not self.allow_compiled
                 or not PagedDecodeKernel.supports(q, pool.k, layer.num_heads, layer.num_kv_heads)):
             return None
         if self._kernel is False:
@@ -157,8 +158,9 @@ class HeadMajorBackend(AttentionBackend):
             qg = q[start:start + group.size]
             start += group.size
             if kernel is not None:
+                scales = (pool.k_scale[idx], pool.v_scale[idx]) if pool.quantized else (None, None)
                 outs.append(kernel(qg, pool.k[idx], pool.v[idx], group.blocks[g], group.lens, group.starts[g],
-                                   self.block_size, layer.window or 0, layer.scale))
+                                   self.block_size, layer.window or 0, layer.scale, pool.codes, *scales))
                 continue
             mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
             if group.starts[g]:  # a sliding group gathers from the first block still in a window

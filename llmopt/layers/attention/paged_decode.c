@@ -1,7 +1,12 @@
-// bf16 decode attention read straight from the head-major paged KV pool (paged_kv_cache.py's layout):
-// no gather of the context into a copy, one pass over K and one over V, softmax in float32. Head sizes
-// 64, 128 and 256 run vectorized with AVX512-BF16 where the CPU has it (attend_vec), others portably.
-// Built and loaded by paged_decode_kernel.py; head_major.py calls it for bf16 decode groups on a CPU.
+// Decode attention read straight from the head-major paged KV pool (paged_kv_cache.py's layout): no
+// gather of the context into a copy, one pass over K and one over V, softmax in float32. The pool holds
+// bf16 values, or int8 / fp8 (e4m3) codes with one float32 scale per slot and head (`--kv-cache-dtype`):
+// codes are turned into bf16 a block at a time (exactly: every int8 and e4m3 value is a bf16 value) and
+// their scales applied to the scores (K) and to the softmax weights (V), so a quantized pool costs a
+// conversion of the codes, not a copy of the context. Head sizes 64, 128 and 256 run vectorized with
+// AVX512-BF16 where the CPU has it (attend_vec), others portably. Built and loaded by
+// paged_decode_kernel.py; head_major.py calls it for decode groups on a CPU, and so does the native
+// decode step (llmopt/step), which also writes quantized K/V rows with `paged_kv_quantize` below.
 // Compiled with -ffast-math (vectorized expf and reductions) but linked without it, so loading it does
 // not switch the process's floating point into flush-to-zero mode.
 #include <math.h>
@@ -15,25 +20,76 @@
 #include <immintrin.h>
 #endif
 
-static inline void prefetch(const uint16_t *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
+enum { CODES_BF16 = 0, CODES_INT8 = 1, CODES_FP8 = 2 };
+
+// One layer's K or V pool for one KV head, as the kernel reads it: [S, D] bf16 rows, or [S, D] codes with
+// a float scale per row; `conv`: per-thread room for one block of rows turned into bf16.
+typedef struct {
+    const void *data;
+    const float *scale;  // NULL for bf16
+    int codes;
+    uint16_t *conv;
+} pool_t;
+
+static inline float fp8_to_f(uint8_t b) {  // e4m3fn, exact: the 7 bits placed as a float32's, scaled by 2^120
+    uint32_t u = (uint32_t)(b & 0x7F) << 20;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= 0x1p120f;
+    return b & 0x80 ? -f : f;
 }
 
-// The block holding position p (blocks counted from position `first`): its rows, and in *r0..*r1 the rows
-// of it that positions p..hi-1 use. Prefetches the next block of the run.
-static inline const uint16_t *block_run(const uint16_t *pool, const int64_t *table, int64_t p, int64_t hi,
-                                        int64_t first, int64_t bs, int64_t D, int64_t *r0, int64_t *r1) {
+// n codes -> n bf16 values (exact).
+static void codes_to_bf16(const void *src, int codes, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    if (codes == CODES_INT8) {
+        for (; i + 32 <= n; i += 32)
+            _mm512_storeu_si512((void *)(dst + i), (__m512i)int8x32_to_bf16((const int8_t *)src + i));
+    } else {
+        const __m512i low7 = _mm512_set1_epi32(0x7F), sign = _mm512_set1_epi32(0x80);
+        const __m512 two120 = _mm512_set1_ps(0x1p120f);
+        for (; i + 16 <= n; i += 16) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)src + i)));
+            __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(b, low7), 20)), two120);
+            f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f),
+                                                    _mm512_slli_epi32(_mm512_and_si512(b, sign), 24)));
+            _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(f));
+        }
+    }
+#endif
+    for (; i < n; i++)
+        dst[i] = f_to_bf16(codes == CODES_INT8 ? (float)((const int8_t *)src)[i] : fp8_to_f(((const uint8_t *)src)[i]));
+}
+
+// The block holding position p (blocks counted from position `first`) as bf16 rows (a quantized pool's
+// rows r0..r1-1 converted into pool->conv), its row scales in *rs (NULL for bf16), and in *r0..*r1 the
+// rows of it that positions p..hi-1 use. Prefetches the next block of the run.
+static inline const uint16_t *block_run(const pool_t *pool, const int64_t *table, int64_t p, int64_t hi,
+                                        int64_t first, int64_t bs, int64_t D, int64_t *r0, int64_t *r1,
+                                        const float **rs) {
     const int64_t j = (p - first) / bs;
+    const int64_t esize = pool->codes == CODES_BF16 ? 2 : 1;
     *r0 = p - first - j * bs;
     *r1 = *r0 + hi - p < bs ? *r0 + hi - p : bs;
-    if (p + *r1 - *r0 < hi) prefetch(pool + table[j + 1] * bs * D, bs * D);
-    return pool + table[j] * bs * D;
+    if (p + *r1 - *r0 < hi) {
+        const char *next = (const char *)pool->data + table[j + 1] * bs * D * esize;
+        for (int64_t i = 0; i < bs * D * esize; i += 64) __builtin_prefetch(next + i, 0, 3);
+    }
+    if (pool->codes == CODES_BF16) {
+        *rs = NULL;
+        return (const uint16_t *)pool->data + table[j] * bs * D;
+    }
+    *rs = pool->scale + table[j] * bs;
+    codes_to_bf16((const char *)pool->data + (table[j] * bs + *r0) * D, pool->codes, (*r1 - *r0) * D,
+                  pool->conv + *r0 * D);
+    return pool->conv;
 }
 
 // One sequence and KV head: its G query heads attend over positions lo..hi-1. `table` maps a block
 // index (counted from position `first`) to a pool block. `buf`: scratch for 2*G*D + D + G*(hi-lo) floats.
 static inline __attribute__((always_inline)) void attend(
-        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table, int64_t lo, int64_t hi,
+        const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *table, int64_t lo, int64_t hi,
         int64_t first, int64_t G, const int64_t D, int64_t bs, float scale, uint16_t *out, float *buf) {
     float *qf = buf, *acc = qf + G * D, *row = acc + G * D, *sc = row + D;
     const int64_t span = hi - lo;
@@ -41,7 +97,8 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t i = 0; i < G * D; i++) { qf[i] = bf16_to_f(q[i]) * scale; acc[i] = 0.f; }
     for (int64_t g = 0; g < G; g++) { mx[g] = -3.0e38f; sum[g] = 0.f; }
     for (int64_t p = lo, r0, r1; p < hi;) {  // block by block: one division per block, not per position
-        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1);
+        const float *rs;
+        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
         for (int64_t r = r0; r < r1; r++, p++) {
             const uint16_t *kr = blk + r * D;
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(kr[d]);
@@ -49,6 +106,7 @@ static inline __attribute__((always_inline)) void attend(
                 const float *qg = qf + g * D;
                 float s = 0.f;
                 for (int64_t d = 0; d < D; d++) s += qg[d] * row[d];
+                if (rs) s *= rs[r];
                 sc[g * span + p - lo] = s;
                 if (s > mx[g]) mx[g] = s;
             }
@@ -60,12 +118,13 @@ static inline __attribute__((always_inline)) void attend(
         sum[g] = t;
     }
     for (int64_t p = lo, r0, r1; p < hi;) {
-        const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1);
+        const float *rs;
+        const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
         for (int64_t r = r0; r < r1; r++, p++) {
             const uint16_t *vr = blk + r * D;
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(vr[d]);
             for (int64_t g = 0; g < G; g++) {
-                const float w = sc[g * span + p - lo];
+                const float w = rs ? sc[g * span + p - lo] * rs[r] : sc[g * span + p - lo];
                 float *ag = acc + g * D;
                 for (int64_t d = 0; d < D; d++) ag[d] += w * row[d];
             }
@@ -108,7 +167,7 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
 }
 
 static inline __attribute__((always_inline)) void attend_vec(
-        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table, int64_t lo, int64_t hi,
+        const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *table, int64_t lo, int64_t hi,
         int64_t first, int64_t G, const int64_t D, int64_t bs, float scale, uint16_t *out, float *buf) {
     enum { MAXDV = 8, ACC = 16 };  // D <= 256; output registers per pass over V
     const int64_t DV = D / 32, DF = D / 16, GB = ACC / DF;  // D <= 256: at least one head per pass
@@ -117,7 +176,8 @@ static inline __attribute__((always_inline)) void attend_vec(
     __m512 vmx[64];
     for (int64_t g = 0; g < G; g++) vmx[g] = _mm512_set1_ps(-3.0e38f);
     for (int64_t p = lo, r0, r1; p < hi;) {  // scores, 16 positions of a block at a time
-        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1);
+        const float *rs;
+        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
         for (int64_t r = r0; r < r1; r += 16) {
             const int64_t n = r1 - r < 16 ? r1 - r : 16;
             const __mmask16 live = (__mmask16)((1u << n) - 1);
@@ -132,7 +192,8 @@ static inline __attribute__((always_inline)) void attend_vec(
                             a = _mm512_dpbf16_ps(a, qg[t], (__m512bh)_mm512_loadu_si512((const void *)(blk + (r + j) * D + 32 * t)));
                     dots[j] = a;
                 }
-                const __m512 s16 = _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale));
+                __m512 s16 = _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale));
+                if (rs) s16 = _mm512_mul_ps(s16, _mm512_maskz_loadu_ps(live, rs + r));
                 _mm512_mask_storeu_ps(sc + g * span + p - lo, live, s16);
                 vmx[g] = _mm512_mask_max_ps(vmx[g], live, vmx[g], s16);
             }
@@ -148,12 +209,14 @@ static inline __attribute__((always_inline)) void attend_vec(
         __m512 acc[ACC];
         for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t p = lo, r0, r1; p < hi;) {
-            const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1);
+            const float *rs;
+            const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
             for (int64_t r = r0; r < r1; r++, p++) {
                 __m512 row[16];
                 for (int64_t t = 0; t < DF; t++) row[t] = bf16x16_to_f32(blk + r * D + 16 * t);
+                const float vs = rs ? rs[r] : 1.f;
                 for (int64_t gi = 0; gi < GB; gi++) {
-                    const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] : 0.f);
+                    const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] * vs : 0.f);
                     for (int64_t t = 0; t < DF; t++) acc[gi * DF + t] = _mm512_fmadd_ps(w, row[t], acc[gi * DF + t]);
                 }
             }
@@ -171,7 +234,7 @@ static inline __attribute__((always_inline)) void attend_vec(
 }
 #endif
 
-typedef void (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, int64_t, int64_t,
+typedef void (*attend_fn)(const uint16_t *, const pool_t *, const pool_t *, const int64_t *, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, float, uint16_t *, float *);
 #if defined(__AVX512BF16__)
 #define ATTEND_IMPL attend_vec
@@ -179,7 +242,7 @@ typedef void (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, 
 #define ATTEND_IMPL attend
 #endif
 #define ATTEND_FIXED(DD)                                                                                        \
-    static void attend_##DD(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *t, int64_t lo, \
+    static void attend_##DD(const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *t, int64_t lo,   \
                             int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale,            \
                             uint16_t *out, float *buf) {                                                         \
         (void)D;                                                                                                \
@@ -188,27 +251,31 @@ typedef void (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, 
 ATTEND_FIXED(64)
 ATTEND_FIXED(128)
 ATTEND_FIXED(256)
-static void attend_any(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *t, int64_t lo,
+static void attend_any(const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *t, int64_t lo,
                        int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale, uint16_t *out,
                        float *buf) {
     attend(q, k, v, t, lo, hi, first, G, D, bs, scale, out, buf);
 }
 
-// q, out: [B, H, D] bf16; k, v: [Hkv, S, D] bf16 (one layer's pool); tables: [B, n] pool blocks, the first
-// holding positions from start_block * bs; lens: [B] context lengths; window > 0: attend to the last
-// `window` positions only. Returns 0, or 1 when a shape is unsupported or scratch could not be allocated.
-int paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables, int64_t n,
-                      const int64_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, int64_t bs,
-                      int64_t start_block, int64_t window, float scale, uint16_t *out, int nthreads) {
-    if (Hkv <= 0 || H % Hkv || H / Hkv > 64) return 1;
-    const int64_t G = H / Hkv;
+// q, out: [B, H, D] bf16; k, v: [Hkv, S, D] (one layer's pool): bf16 (codes 0), or int8 (1) / fp8 e4m3 (2)
+// codes with k_scale, v_scale [Hkv, S] float32; tables: [B, n] pool blocks, the first holding positions
+// from start_block * bs; lens: [B] context lengths; window > 0: attend to the last `window` positions only.
+// Returns 0, or 1 when a shape is unsupported or scratch could not be allocated.
+int paged_decode(const uint16_t *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
+                 int codes, const int64_t *tables, int64_t n, const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
+                 int64_t D, int64_t S, int64_t bs, int64_t start_block, int64_t window, float scale, uint16_t *out,
+                 int nthreads) {
+    if (Hkv <= 0 || H % Hkv || H / Hkv > 64 || codes < 0 || codes > 2) return 1;
+    if (codes != CODES_BF16 && (!k_scale || !v_scale)) return 1;
+    const int64_t G = H / Hkv, esize = codes == CODES_BF16 ? 2 : 1;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     attend_fn fn = D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
+    const int64_t nfloat = 2 * G * D + D + G * (max_len + 1), nconv = codes == CODES_BF16 ? 0 : bs * D;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = malloc(sizeof(float) * (2 * G * D + D + G * (max_len + 1)));
+        float *buf = malloc(sizeof(float) * nfloat + 2 * nconv + 64);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -219,10 +286,78 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, c
                 if (!buf) continue;
                 const int64_t first = start_block * bs, hi = lens[b];
                 const int64_t lo = window > 0 && hi - window > first ? hi - window : first;
-                fn(q + (b * H + h * G) * D, k + h * S * D, v + h * S * D, tables + b * n, lo, hi, first, G, D, bs,
-                   scale, out + (b * H + h * G) * D, buf);
+                uint16_t *conv = (uint16_t *)(buf + nfloat);
+                const pool_t kp = {(const char *)k + h * S * D * esize, k_scale ? k_scale + h * S : NULL, codes, conv};
+                const pool_t vp = {(const char *)v + h * S * D * esize, v_scale ? v_scale + h * S : NULL, codes, conv};
+                fn(q + (b * H + h * G) * D, &kp, &vp, tables + b * n, lo, hi, first, G, D, bs, scale,
+                   out + (b * H + h * G) * D, buf);
             }
         free(buf);
     }
     return failed;
 }
+
+// Writing quantized K/V rows: the same codes and scales as paged_kv_cache.py's torch path (kv_codes.encode),
+// bit for bit (tests/layers compare them), so a decode step may write its K/V here or there. Division and
+// rounding must be IEEE's own here, not -ffast-math's reciprocals.
+#if defined(__clang__)
+#pragma float_control(precise, on, push)
+#else
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+#endif
+
+static uint8_t f_to_fp8(float y) {  // e4m3fn of a finite |y| <= 448, rounded to nearest even (as c10 rounds)
+    uint32_t u;
+    memcpy(&u, &y, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a < 0x1p-6f) return sign | (uint8_t)rintf(a * 0x1p9f);  // subnormal (8: the smallest normal's code)
+    u += 0x7FFFFu + ((u >> 20) & 1u);
+    return sign | (uint8_t)((u >> 20) - (120u << 3));
+}
+
+// x: T rows (`stride` apart) of Hkv heads of D bf16 values -> codes in `pool` [Hkv, S, D] and scales in
+// `scales` [Hkv, S] at each row's slot. Scale: static_scale[h] (calibrated, per head) when given, else the
+// row's absmax / 127 (int8) or / 448 (fp8). Returns 0, or 1 for codes it does not know.
+int paged_kv_quantize(const uint16_t *x, int64_t stride, int64_t T, int64_t Hkv, int64_t D, const int64_t *slots,
+                      int codes, const float *static_scale, void *pool, float *scales, int64_t S) {
+    if (codes != CODES_INT8 && codes != CODES_FP8) return 1;
+    const float largest = codes == CODES_INT8 ? 127.f : 448.f;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const uint16_t *xr = x + t * stride + h * D;
+            const int64_t at = h * S + slots[t];
+            float s;
+            if (static_scale) {
+                s = static_scale[h];
+            } else {
+                float m = 0.f;
+                for (int64_t d = 0; d < D; d++) m = fmaxf(m, fabsf(bf16_to_f(xr[d])));
+                s = fmaxf(m, 1e-8f) / largest;
+            }
+            scales[at] = s;
+            if (codes == CODES_INT8) {
+                int8_t *dst = (int8_t *)pool + at * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const float r = rintf(bf16_to_f(xr[d]) / s);
+                    dst[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+                }
+            } else {
+                uint8_t *dst = (uint8_t *)pool + at * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const float y = bf16_to_f(xr[d]) / s;
+                    dst[d] = f_to_fp8(y > 448.f ? 448.f : y < -448.f ? -448.f : y);
+                }
+            }
+        }
+    return 0;
+}
+
+#if defined(__clang__)
+#pragma float_control(pop)
+#else
+#pragma GCC pop_options
+#endif
