@@ -1,7 +1,7 @@
 """The native decode step (llmopt.step) against the eager one, side by side, and where a decode token goes.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_step.py [--model smollm2-135m] [--schemes bf16,w8a16,w4a16]
-        [--group-size 128] [--rounds 3] [--tokens 128]
+        [--group-size 128] [--rounds 3] [--tokens 128] [--kv-cache-dtype auto|int8|fp8]
 
 For each scheme (bf16: the model as it is; w8a16 / w4a16: quantized first by RTN into a temporary folder, as
 `llmopt quantize` writes them), two engines over the same checkpoint in one process, `decode_step="eager"`
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128, help="of w4a16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"), help="of both engines")
     args = ap.parse_args()
 
     import torch
@@ -50,7 +51,8 @@ def main() -> None:
                 path = str(work / scheme)
                 quantize_model(QuantizeConfig(model=args.model, scheme=scheme, output=path, device="cpu",
                                               group_size=args.group_size if scheme == "w4a16" else None))
-            llms = {mode: LLM(path, dtype="bfloat16", decode_step=mode) for mode in ("eager", "native")}
+            llms = {mode: LLM(path, dtype="bfloat16", decode_step=mode, kv_cache_dtype=args.kv_cache_dtype)
+                    for mode in ("eager", "native")}
             assert llms["native"].engine.runner.decode_step is not None, "the native step did not build"
             for llm in llms.values():
                 llm.generate([prompt], params)  # warm-up: kernel builds, first-call costs
@@ -71,7 +73,7 @@ def main() -> None:
             del llms
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{args.model}, bf16 activations, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"{args.model}, bf16 activations, KV cache {args.kv_cache_dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.tokens} tokens after a 32-token prompt, median of {args.rounds} rounds\n")
     print("| scheme | sequences | eager tok/s | native tok/s | native / eager | greedy tokens equal |")
     print("|---|---|---|---|---|---|")

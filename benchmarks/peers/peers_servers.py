@@ -147,13 +147,16 @@ def hf_dir(model: str = "smollm2-135m") -> Path:
 
 
 def quantized_checkpoint(out: Path, scheme: str, group_size: int | None = None, model: str = "smollm2-135m",
-                         python: str = sys.executable) -> Path:
-    """`llmopt quantize MODEL --scheme SCHEME [--group-size G] -o OUT` once (RTN, compressed-tensors)."""
+                         python: str = sys.executable, lm_head: str | None = None) -> Path:
+    """`llmopt quantize MODEL --scheme SCHEME [--group-size G] [--lm-head H] -o OUT` once (RTN,
+    compressed-tensors)."""
     if (out / "config.json").is_file():
         return out
     cmd = [python, "-m", "llmopt", "quantize", model, "--scheme", scheme, "-o", str(out)]
     if group_size is not None:
         cmd += ["--group-size", str(group_size)]
+    if lm_head is not None:
+        cmd += ["--lm-head", lm_head]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return out

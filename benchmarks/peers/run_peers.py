@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--precisions", default=",".join(pp.PRECISIONS))
     ap.add_argument("--servers", help=f"explicit server list: {','.join(pp.SERVERS)}")
     ap.add_argument("--threads", type=int, default=2, help="threads of every server (default 2)")
+    ap.add_argument("--lm-head", choices=("int8",),
+                    help="llmopt's W8A16/W4A16 checkpoints quantize the head too (llama.cpp's Q8_0/Q4_0 store theirs "
+                         "in Q8_0/Q6_K)")
     ap.add_argument("--out", default=str(ROOT / "runs/peers"))
     ap.add_argument("--render", metavar="DIR", help="no run: rebuild the tables from DIR/results.json")
     ap.add_argument("--write-doc", action="store_true", help="write the tables into docs/BENCHMARKS.md (Peers)")
@@ -116,18 +119,23 @@ def shape_models(shape: str) -> tuple[Path, dict[str, Path]]:
     return hf, ggufs
 
 
-def server_models(names: list[str], shape: str = "smollm2-135m") -> dict[str, str]:
-    """name -> the model path each server loads (quantizing ours once, into .peers/llmopt-models)."""
+def server_models(names: list[str], shape: str = "smollm2-135m", lm_head: str | None = None) -> dict[str, str]:
+    """name -> the model path each server loads (quantizing ours once, into .peers/llmopt-models; with
+    `lm_head`, llmopt's quantized checkpoints round the head too, in folders of their own)."""
     hf_path, ggufs = shape_models(shape)
     hf = str(hf_path)
     ours = ROOT / ".peers/llmopt-models"
+    head = f"-head-{lm_head}" if lm_head else ""
     out: dict[str, str] = {}
     for n in names:
         if n in ("llmopt-bf16", "vllm-bf16"):
             out[n] = hf
         elif n == "llmopt-w8a16":
-            out[n] = str(ps.quantized_checkpoint(ours / f"{shape}-w8a16", "w8a16", model=hf))
-        elif n in ("llmopt-w4a16", "vllm-w4a16"):
+            out[n] = str(ps.quantized_checkpoint(ours / f"{shape}-w8a16{head}", "w8a16", model=hf, lm_head=lm_head))
+        elif n == "llmopt-w4a16":
+            out[n] = str(ps.quantized_checkpoint(ours / f"{shape}-w4a16-g32{head}", "w4a16", group_size=32, model=hf,
+                                                 lm_head=lm_head))
+        elif n == "vllm-w4a16":
             out[n] = str(ps.quantized_checkpoint(ours / f"{shape}-w4a16-g32", "w4a16", group_size=32, model=hf))
         else:
             gguf = ggufs[n.split("-", 1)[1]]
@@ -230,7 +238,7 @@ def cpu_name() -> str:
 def run(args: argparse.Namespace, sizes: pp.Sizes, names: list[str], out: Path) -> dict:
     workloads = _csv(args.workloads)
     job_list = pp.jobs(sizes, workloads)
-    models = server_models(names, args.shape)
+    models = server_models(names, args.shape, args.lm_head)
     weights = weight_bytes(models)
     bw = {}
     for mib in sorted({buffer_mib(w) for w in weights.values()} | {DRAM_MIB}):
