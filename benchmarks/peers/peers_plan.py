@@ -328,11 +328,14 @@ def tensor_bytes_safetensors(paths: Iterable[Path], float_bytes: int | None = 2)
 
 def bytes_read_per_token(tensors: dict[str, int]) -> int:
     """Weight bytes one decode step reads: every tensor, except that an embedding table is only gathered (one row)
-    when the model has a separate output head; with tied embeddings the table *is* the head and is read whole."""
+    when the model has a separate output head (float, or quantized: `lm_head.weight_packed` and its scales); with
+    tied embeddings the table *is* the head and is read whole."""
     total = sum(tensors.values())
-    has_head = any(n in tensors for n in HEAD_NAMES)
+    has_head = any(n in tensors or any(t.startswith(n.rsplit(".", 1)[0] + ".weight") for t in tensors)
+                   for n in HEAD_NAMES)
     if has_head:
-        total -= sum(tensors.get(n, 0) for n in EMBED_NAMES)
+        embed = tuple(n.rsplit(".", 1)[0] + "." for n in EMBED_NAMES)
+        total -= sum(v for t, v in tensors.items() if t.startswith(embed))
     return total
 
 

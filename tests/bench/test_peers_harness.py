@@ -211,6 +211,12 @@ def test_bytes_read_per_token_tied_and_untied():
     untied = {**tied, "lm_head.weight": 1000}
     assert pp.bytes_read_per_token(untied) == 1500  # the table is only gathered
     assert pp.bytes_read_per_token({"token_embd.weight": 10, "output.weight": 10, "blk.0.ffn_up.weight": 4}) == 14
+    # `--lm-head int8`: an untied head stored packed with its scales is still a head; a tied one is the table
+    packed = {**tied, "lm_head.weight_packed": 500, "lm_head.weight_scale": 4}
+    assert pp.bytes_read_per_token(packed) == 1004
+    tied_packed = {"model.embed_tokens.weight_packed": 500, "model.embed_tokens.weight_scale": 4,
+                   "model.layers.0.mlp.up_proj.weight": 500}
+    assert pp.bytes_read_per_token(tied_packed) == 1004
 
 
 def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
