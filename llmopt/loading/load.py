@@ -31,9 +31,9 @@ def module_order(model: nn.Module) -> list[str]:
 
 def _land_embedding(model: CausalLM, quantized: QuantizedCheckpoint, tied: bool, dtype: torch.dtype,
                     device: torch.device) -> None:
-    """A quantized embedding (`quantize --lm-head int8` on a tied model) lands as a QuantizedEmbedding for the
-    lookups and, when the head shares it, as the head's int8 linear too (two copies of the int8 codes: the
-    lookup reads rows, the head's kernel its own packed layout)."""
+    """A quantized embedding (`quantize --lm-head int8|int4` on a tied model) lands as a QuantizedEmbedding for
+    the lookups and, when the head shares it, as the head's int8 / int4 linear too (two copies of the codes:
+    the lookup reads rows, the head's kernel its own packed layout)."""
     hf = type(model).hf_module_name("embed_tokens")
     part = quantized.embedding(hf)
     if part is None:

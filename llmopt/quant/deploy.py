@@ -86,7 +86,8 @@ TABLE: dict[str, Row] = {r.key: r for r in (
         Cell(None, f"{_CPU_WNA16}, so expect no kernel")),
 )}
 
-# `--lm-head int8`: the head as a compressed-tensors int8 weight-only group (per row), named in its targets
+# `--lm-head int8|int4`: the head as a compressed-tensors weight-only group (int8 per row, int4 per 32 columns),
+# named in its targets
 HEAD_TABLE: dict[str, Row] = {r.key: r for r in (
     Row("head-int8", "--lm-head int8, untied head (lm_head as an int8 linear)",
         Cell(True, _CT + "; logits equal llmopt's", True),
@@ -97,6 +98,17 @@ HEAD_TABLE: dict[str, Row] = {r.key: r for r in (
                     "reads the weight that compression replaced); llmopt's engine runs it", True),
         Cell(False, "vLLM 0.32 looks up a quantized embedding (CompressedTensorsEmbeddingWNA16Int) but cannot "
                     "compute a tied head with it (its apply raises; vLLM PR #45535 is open)"),
+        Cell(False, "vLLM 0.32's quantized embedding gathers with a Triton kernel, and cannot compute a tied "
+                    "head with it")),
+    Row("head-int4", "--lm-head int4, untied head (lm_head as an int4 linear, groups of 32)",
+        Cell(True, _CT + "; logits equal llmopt's", True),
+        Cell(True, "vLLM's ParallelLMHead takes the lm_head group as a linear scheme (WNA16 uint4b8, Marlin)"),
+        Cell(None, "CPUWNA16 takes uint4b8 groups, so the head may run there")),
+    Row("head-int4-tied", "--lm-head int4, tied head (the shared embedding as int4, groups of 32)",
+        Cell(False, "transformers 5.24 cannot initialize a compressed-tensors Embedding (its _init_weights "
+                    "reads the weight that compression replaced); llmopt's engine runs it", True),
+        Cell(False, "vLLM 0.32 looks up a quantized embedding but cannot compute a tied head with it (vLLM PR "
+                    "#45535 is open)"),
         Cell(False, "vLLM 0.32's quantized embedding gathers with a Triton kernel, and cannot compute a tied "
                     "head with it")),
 )}

@@ -213,6 +213,6 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
                                   kv_cache=cfg.kv_cache, moe=resolved.spec.is_moe,
                                   head=None if head is None else
-                                  "head-int8-tied" if resolved.spec.tie_word_embeddings else "head-int8"))
+                                  f"head-{cfg.lm_head}" + ("-tied" if resolved.spec.tie_word_embeddings else "")))
         report.write(tmp / REPORT)
     return report

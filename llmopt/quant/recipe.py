@@ -29,6 +29,8 @@ Method = Literal["rtn", "gptq", "awq"]
 Format = Literal["gptq", "compressed-tensors"]
 
 
+HEAD_INT4_GROUP = 32  # `--lm-head int4`: llama.cpp's Q4_0 block; Marlin and our int4 kernel take it
+
 class ModuleScheme(BaseModel):
     """What one linear becomes: a weight scheme, plus dynamic int8 activations for w8a8."""
 
@@ -112,8 +114,9 @@ class QuantizeConfig(BaseModel):
     ignore: list[str] = []
     override: list[str] = []
     kv_cache: Literal["int8", "fp8"] | None = None
-    # the output head (with a tied one, the embedding it shares) as int8 with a scale per row, by rounding
-    lm_head: Literal["int8"] | None = None
+    # the output head (with a tied one, the embedding it shares), by rounding: int8 with a scale per row, or
+    # int4 with a scale per HEAD_INT4_GROUP columns
+    lm_head: Literal["int8", "int4"] | None = None
     # the float32 tensors outside the decoder layers (a GGUF-derived model's embedding, final norm, head) are
     # stored as: bf16 (what config.json's torch_dtype runs them in anyway, half the bytes) or as in the source
     float_dtype: Literal["bf16", "source"] = "bf16"
@@ -209,7 +212,7 @@ class QuantizeConfig(BaseModel):
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
         if self.format == "gptq":
             if self.lm_head is not None:
-                raise ValueError("--lm-head int8 is written as a compressed-tensors group; use --format "
+                raise ValueError(f"--lm-head {self.lm_head} is written as a compressed-tensors group; use --format "
                                  "compressed-tensors")
             if self.kv_cache == "fp8":
                 raise ValueError("--kv-cache fp8 is a compressed-tensors kv_cache_scheme; use --format "
@@ -231,8 +234,11 @@ class QuantizeConfig(BaseModel):
         return "w4a16" if self.scheme == AUTO else self.scheme
 
     def head_scheme(self) -> ModuleScheme | None:
-        """What `--lm-head` makes of the output head: int8, symmetric, one scale per row (None: float)."""
-        return None if self.lm_head is None else make_scheme("w8a16", -1, True)
+        """What `--lm-head` makes of the output head, symmetric: int8 with one scale per row, or int4 with one
+        per HEAD_INT4_GROUP columns (None: float)."""
+        if self.lm_head is None:
+            return None
+        return make_scheme("w8a16", -1, True) if self.lm_head == "int8" else make_scheme("w4a16", HEAD_INT4_GROUP, True)
 
     def main_scheme(self, group_size: int | None = None) -> ModuleScheme:
         return make_scheme(self.main_preset, self.group_size if group_size is None else group_size, self.symmetric)

@@ -1,11 +1,13 @@
-"""`quantize --lm-head int8`: decode speed and perplexity against the same checkpoint with its float (bf16) head.
+"""`quantize --lm-head int8|int4`: decode speed and perplexity against the same checkpoint with its float (bf16)
+head.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/int8_head.py [--model gemma3-270m] [--scheme w8a16]
-        [--group-size N] [--tokens 4096] [--rounds 3]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quantized_head.py [--model gemma3-270m] [--scheme w8a16]
+        [--group-size N] [--heads int8,int4] [--tokens 4096] [--rounds 3]
 
-Two checkpoints quantized alike (RTN, --scheme/--group-size), one with `--lm-head int8`: the head, and the
-embedding a tied head shares, as int8 with a scale per row, which our engine runs with its int8 kernel. Both
-are loaded once in one process, as `llmopt serve` would (bf16, packed); then rounds alternate between them
+Checkpoints quantized alike (RTN, --scheme/--group-size), one with the float head and one per `--heads` entry:
+the head, and the embedding a tied head shares, as int8 with a scale per row or int4 with a scale per 32
+columns, which our engine runs with its int8 / int4 kernels. All are loaded once in one process, as `llmopt
+serve` would (bf16, packed); then rounds alternate between them
 (A B, B A, ...): greedy decode of 128 tokens after a 32-token prompt, one sequence and a batch of 8. Reported:
 median tok/s of each, their ratio, and whether greedy tokens agree; perplexity of each on the first --tokens
 tokens of ../shared/data/wikitext2-valid.txt in windows of 512 (bf16, the engine's default), and the head's
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", default="int8", help="comma-separated --lm-head values to compare with the float head")
     args = ap.parse_args()
 
     import torch
@@ -41,10 +44,11 @@ def main() -> None:
     from llmopt.quant.pipeline import quantize_model
     from llmopt.quant.recipe import QuantizeConfig
 
-    work = Path(tempfile.mkdtemp(prefix="int8-head-"))
+    work = Path(tempfile.mkdtemp(prefix="quantized-head-"))
     try:
         llms, head_bytes = {}, {}
-        for name, head in (("float head", None), ("int8 head", "int8")):
+        heads = [("float head", None)] + [(f"{h} head", h) for h in args.heads.split(",")]
+        for name, head in heads:
             report = quantize_model(QuantizeConfig(model=args.model, scheme=args.scheme, group_size=args.group_size,
                                                    lm_head=head, output=work / name, device="cpu"))
             head_bytes[name] = report.head["bytes"] if report.head else None
