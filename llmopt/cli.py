@@ -463,9 +463,10 @@ def quantize(
     override: list[str] = typer.Option([], "--override", help="REGEX=SCHEME for matching modules."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="int8|fp8: calibrated KV-cache scales (fp8: "
                                     "compressed-tensors kv_cache_scheme, which vLLM loads)."),
-    lm_head: Optional[str] = typer.Option(None, "--lm-head", help="int8|int4: the output head (a tied one: the "
-                                          "embedding it shares) as int8 with a scale per row, or int4 in groups "
-                                          "of 32."),
+    lm_head: Optional[str] = typer.Option(None, "--lm-head", help="int8|int4|auto: the output head (a tied one: "
+                                          "the embedding it shares) as int8 with a scale per row, or int4 in "
+                                          "groups of 32; auto (--scheme auto): bf16, int8 or int4, chosen inside "
+                                          "the budget."),
     float_dtype: str = typer.Option("bf16", "--float-dtype", help="bf16|source: how float32 tensors outside "
                                     "the layers (embedding, final norm, head) are stored; bf16 is what they run in."),
     fmt: str = typer.Option("compressed-tensors", "--format", help="gptq|compressed-tensors"),

@@ -21,6 +21,11 @@ Streamed like `quantize` itself, one decoder layer in memory at a time:
    and zero points included), a greedy multiple-choice knapsack over each linear's lower convex hull of
    (bits, predicted KL) takes the upgrades that remove the most predicted KL per bit first.
 
+With `--lm-head auto` the output head (a tied one: the embedding it shares) is one more item of the
+knapsack, its weights counted in the budget: bf16, int8 per row or int4 in groups of 32, whose KL is not
+predicted but measured, on the same sample's final stream, with the head rounded as the export rounds it.
+(A tied embedding's lookups are rounded too; that part of the damage is in neither KL.)
+
 `quantize` then runs as usual with every linear's chosen scheme (the export writes one config group per
 scheme) and measures the real KL of the result against step 1's stream on the same sample
 (`measured_kl`), which the report sets beside the prediction.
@@ -60,6 +65,7 @@ SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on by default 
 PROBE_TOKENS = 512  # tokens each layer's depth probe carries to the end (the first windows of the sample)
 FISHER_SAMPLES = 4  # sampled next tokens per position for tr F_t
 _CHUNK = 256  # tokens per head evaluation (a 262k vocabulary: 256 MB of float32 logits)
+HEAD = "lm_head"  # the head's key among the plan's options (`--lm-head auto`)
 
 
 def stored_bits(scheme: ModuleScheme | None, in_features: int) -> float:
@@ -108,9 +114,10 @@ class AutoPlan:
 
     @classmethod
     def for_targets(cls, model: CausalLM, targets: list[Target], candidates: list[str], symmetric: bool,
-                    target_bits: float) -> AutoPlan:
+                    target_bits: float, head: dict[str, ModuleScheme | None] | None = None) -> AutoPlan:
         """The options and weight counts of `targets` that carry a scheme, from the model's shapes alone (the
-        meta device will do), nothing measured yet; raises when a linear has no candidate."""
+        meta device will do), nothing measured yet; raises when a linear has no candidate. `head`: the head's
+        candidates by name (`--lm-head auto`), or None to leave it out."""
         searched = [t for t in targets if t.scheme is not None]
         options = {t.module: candidate_options(t, candidates, symmetric) for t in searched}
         missing = [t for t in searched if not options[t.module]]
@@ -118,7 +125,17 @@ class AutoPlan:
             raise LlmoptError(f"no candidate's group size divides the input width {missing[0].in_features} of "
                               f"{next(iter(missing[0].parts))}; add w8a16 or bf16 to --candidates")
         weights = {t.module: model.get_submodule(t.module).weight.numel() for t in searched}
+        if head:
+            hidden = model.spec.hidden_size
+            options[HEAD] = [Option(name, sch, stored_bits(sch, hidden)) for name, sch in head.items()
+                             if sch is None or sch.weights.per_channel or hidden % sch.weights.group_size == 0]
+            weights[HEAD] = model.spec.vocab_size * hidden
         return cls(target_bits, options, weights)
+
+    def head_scheme(self) -> ModuleScheme | None:
+        """The head's chosen scheme (None: kept float, or not searched)."""
+        o = self.choice.get(HEAD)
+        return None if o is None else o.scheme
 
     def reallocate(self, target_bits: float) -> None:
         """Choose again, from the same measurements, under another budget."""
@@ -138,7 +155,7 @@ class AutoPlan:
         """`targets` with each searched linear's chosen scheme (a float choice: unquantized, stored in bf16)."""
         out = []
         for t in targets:
-            o = self.choice.get(t.module)
+            o = None if t.module == HEAD else self.choice.get(t.module)  # the head goes by `head_scheme`
             if o is None:
                 out.append(t)
             else:
@@ -258,6 +275,7 @@ class SearchOptions:
     static_groups: bool = True
     batch_tokens: int = 4096
     sample_tokens: int = SAMPLE_TOKENS
+    head: dict[str, ModuleScheme | None] | None = None  # `--lm-head auto`: the head's candidates by name
 
 
 @torch.no_grad()
@@ -268,7 +286,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     one module), for the `targets` that carry a scheme; returns the plan to `apply` (`into`, filled in
     place, when given)."""
     t0 = time.perf_counter()
-    shapes = AutoPlan.for_targets(model, targets, opts.candidates, opts.symmetric, target_bits)
+    shapes = AutoPlan.for_targets(model, targets, opts.candidates, opts.symmetric, target_bits, opts.head)
     options, weights = shapes.options, shapes.weights
     searched = [t for t in targets if t.module in options]
     allocate(options, weights, target_bits)  # an impossible budget fails before any measuring
@@ -335,6 +353,14 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         for o in options[m]:
             if o.candidate == cand:
                 o.kl = 0.5 * float((err * fisher).mean()) * gains[_layer_index(m)]
+    if HEAD in options:
+        parts = _head(model, load)
+        try:
+            for o in options[HEAD]:
+                o.kl = 0.0 if o.scheme is None else _mean_kl(model, reference, reference, o.scheme)
+        finally:
+            for p in parts:
+                release(p)
     plan = into if into is not None else AutoPlan(target_bits, {}, {})
     plan.options, plan.weights, plan.gains = options, weights, gains
     plan.sample_tokens, plan.reference = int(reference.shape[0]), reference
@@ -449,7 +475,7 @@ def measured_kl(model: CausalLM, plan: AutoPlan, final: torch.Tensor, load: Call
     assert plan.reference is not None
     parts = _head(model, load)
     try:
-        kl = _mean_kl(model, plan.reference, final.float())
+        kl = _mean_kl(model, plan.reference, final.float(), plan.head_scheme())
     finally:
         for p in parts:
             release(p)
@@ -458,12 +484,22 @@ def measured_kl(model: CausalLM, plan: AutoPlan, final: torch.Tensor, load: Call
     return kl
 
 
-def _mean_kl(model: CausalLM, reference: torch.Tensor, stream: torch.Tensor) -> float:
+def _mean_kl(model: CausalLM, reference: torch.Tensor, stream: torch.Tensor,
+             head: ModuleScheme | None = None) -> float:
     """Mean KL(p ‖ q) per token between the next-token distributions of two final residual streams (the
-    final norm and head already loaded)."""
+    final norm and head already loaded); q's head rounded to `head` (by RTN, as the export rounds it) if given."""
+    weight = model.lm_head.weight
+    float_head = weight.data
+    rounded = None if head is None else rtn_quantize(float_head.float(), head.weights).dequantize(float_head.dtype)
     total = 0.0
-    for lo in range(0, reference.shape[0], _CHUNK):
-        p = _log_probs(model, reference[lo:lo + _CHUNK])
-        q = _log_probs(model, stream[lo:lo + _CHUNK])
-        total += float((p.exp() * (p - q)).sum())
+    try:
+        for lo in range(0, reference.shape[0], _CHUNK):
+            p = _log_probs(model, reference[lo:lo + _CHUNK])
+            if rounded is not None:
+                weight.data = rounded
+            q = _log_probs(model, stream[lo:lo + _CHUNK])
+            weight.data = float_head
+            total += float((p.exp() * (p - q)).sum())
+    finally:
+        weight.data = float_head
     return total / reference.shape[0]

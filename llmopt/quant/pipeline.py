@@ -66,7 +66,8 @@ def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, co
     opts = SearchOptions(method=cfg.method, candidates=cfg.candidates, symmetric=cfg.symmetric,
                          forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
                          act_order=bool(cfg.act_order), static_groups=cfg.static_groups,
-                         batch_tokens=cfg.batch_tokens, sample_tokens=cfg.auto_tokens or SAMPLE_TOKENS)
+                         batch_tokens=cfg.batch_tokens, sample_tokens=cfg.auto_tokens or SAMPLE_TOKENS,
+                         head=cfg.head_candidates())
     assert cfg.target_bits is not None
     with layer_progress(console, "measuring each linear's candidates", len(model.layers)) as advance:
         plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance,
@@ -86,7 +87,7 @@ def auto_bounds(cfg: QuantizeConfig) -> tuple[float, float]:
 
     model = build_empty(resolve_model(cfg.model), torch.float32, "meta")
     targets, _ = plan_targets(model, cfg)
-    return AutoPlan.for_targets(model, targets, cfg.candidates, cfg.symmetric, 0.0).bounds()
+    return AutoPlan.for_targets(model, targets, cfg.candidates, cfg.symmetric, 0.0, cfg.head_candidates()).bounds()
 
 
 def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: AutoPlan | None = None) -> QuantReport:
@@ -158,6 +159,8 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         else:
             plan.reallocate(cfg.target_bits)
         targets = plan.apply(targets)
+        if cfg.lm_head == "auto" and plan.head_scheme() is not None:
+            head = (head_module(resolved.spec.tie_word_embeddings), plan.head_scheme())
     else:
         plan = None
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
@@ -213,6 +216,6 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
                                   kv_cache=cfg.kv_cache, moe=resolved.spec.is_moe,
                                   head=None if head is None else
-                                  f"head-{cfg.lm_head}" + ("-tied" if resolved.spec.tie_word_embeddings else "")))
+                                  f"head-int{head[1].weights.bits}" + ("-tied" if resolved.spec.tie_word_embeddings else "")))
         report.write(tmp / REPORT)
     return report

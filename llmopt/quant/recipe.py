@@ -76,6 +76,10 @@ def candidate_scheme(name: str, symmetric: bool = True) -> ModuleScheme | None:
     return make_scheme(preset, int(group) if group else None, symmetric if preset != "fp8" else True)
 
 
+# `--lm-head`: the head's schemes, symmetric (int4: groups of HEAD_INT4_GROUP)
+HEAD_SCHEMES: dict[str, ModuleScheme] = {"int8": make_scheme("w8a16", -1, True),
+                                        "int4": make_scheme("w4a16", HEAD_INT4_GROUP, True)}
+
 def _compile(pattern: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
@@ -115,8 +119,9 @@ class QuantizeConfig(BaseModel):
     override: list[str] = []
     kv_cache: Literal["int8", "fp8"] | None = None
     # the output head (with a tied one, the embedding it shares), by rounding: int8 with a scale per row, or
-    # int4 with a scale per HEAD_INT4_GROUP columns
-    lm_head: Literal["int8", "int4"] | None = None
+    # int4 with a scale per HEAD_INT4_GROUP columns; auto (with --scheme auto): bf16, int8 or int4, chosen
+    # inside the budget
+    lm_head: Literal["int8", "int4", "auto"] | None = None
     # the float32 tensors outside the decoder layers (a GGUF-derived model's embedding, final norm, head) are
     # stored as: bf16 (what config.json's torch_dtype runs them in anyway, half the bytes) or as in the source
     float_dtype: Literal["bf16", "source"] = "bf16"
@@ -193,6 +198,9 @@ class QuantizeConfig(BaseModel):
                 candidate_scheme(name, self.symmetric)
         elif self.target_bits is not None or self.eval_data is not None or self.auto_tokens is not None:
             raise ValueError("--target-bits, --eval-data and --auto-tokens apply to --scheme auto only")
+        elif self.lm_head == "auto":
+            raise ValueError("--lm-head auto lets --scheme auto choose the head; give a fixed one (int8, int4) "
+                             "otherwise")
         if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
         if self.scheme == "fp8" and self.method != "rtn":
@@ -236,9 +244,13 @@ class QuantizeConfig(BaseModel):
     def head_scheme(self) -> ModuleScheme | None:
         """What `--lm-head` makes of the output head, symmetric: int8 with one scale per row, or int4 with one
         per HEAD_INT4_GROUP columns (None: float)."""
-        if self.lm_head is None:
+        if self.lm_head in (None, "auto"):
             return None
-        return make_scheme("w8a16", -1, True) if self.lm_head == "int8" else make_scheme("w4a16", HEAD_INT4_GROUP, True)
+        return HEAD_SCHEMES[self.lm_head]
+
+    def head_candidates(self) -> dict[str, ModuleScheme | None] | None:
+        """`--lm-head auto`: what the search may make of the head (bf16: left float), else None."""
+        return {"bf16": None, **HEAD_SCHEMES} if self.lm_head == "auto" else None
 
     def main_scheme(self, group_size: int | None = None) -> ModuleScheme:
         return make_scheme(self.main_preset, self.group_size if group_size is None else group_size, self.symmetric)

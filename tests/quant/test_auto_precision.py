@@ -159,3 +159,40 @@ def test_a_gate_takes_what_eval_takes(tmp_path):
     cfg = QuantizeConfig(model="x", scheme="auto", gate=["kl_div<=0.05@95", "ppl_increase_pct<=3"],
                          eval_data=tmp_path / "held-out.txt", output=tmp_path / "q")
     assert cfg.gate == ["kl_div<=0.05@95", "ppl_increase_pct<=3"] and cfg.needs_data
+
+
+def _head_entry(report) -> dict:
+    return next(m for m in report.auto["modules"] if m["module"] == "lm_head")
+
+
+def test_lm_head_auto_puts_the_head_in_the_budget(tiny_llama, tmp_path, monkeypatch):
+    """`--lm-head auto`: the head (here tied: the embedding) is one more item of the knapsack, its weights in
+    the budget. With the linears held float, a budget that cannot keep the head in bf16 rounds it to int8 or
+    int4, the export writes that head group and our engine runs it; the head's KL is measured, not predicted,
+    so with nothing else quantized it is the KL measured on the whole result."""
+    options = {"candidates": ["bf16"], "lm_head": "auto", "scheme": "auto", **calib_options()}
+    full, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "full", target_bits=16.0, **options)
+    assert _head_entry(full)["choice"] == "bf16" and full.head is None
+    assert set(_head_entry(full)["options"]) == {"bf16", "int8", "int4"}
+    kl = _head_entry(full)["options"]
+    assert 0 == kl["bf16"] < kl["int8"] < kl["int4"]
+
+    # the head is 28% of the tiny model's searched weights: 14 bits on average leave it at most int8
+    out = tmp_path / "tight"
+    report, modules = quantize_tiny(monkeypatch, tiny_llama, out, target_bits=14.0, **options)
+    head = _head_entry(report)
+    assert head["choice"] in ("int8", "int4") and report.auto["bits"] <= 14.0 and not modules
+    assert report.head["module"] == "model.embed_tokens"
+    assert report.deployment["schemes"][-1] == f"head-{head['choice']}-tied"
+    assert report.auto["measured_kl"] == pytest.approx(head["predicted_kl"], rel=1e-3)
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert [g["targets"] for g in qcfg["config_groups"].values()] == [["model.embed_tokens"]]
+    llm = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16)
+    assert type(llm.engine.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+               .outputs[0].token_ids) == 3
+
+
+def test_lm_head_auto_needs_scheme_auto(tmp_path):
+    with pytest.raises(ValueError, match="--lm-head auto"):
+        QuantizeConfig(model="x", scheme="w4a16", lm_head="auto", output=tmp_path / "q")
