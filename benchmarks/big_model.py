@@ -40,13 +40,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMACPP = Path(os.environ.get("LLAMACPP_DIR", REPO / ".peers" / "llama.cpp"))
 LLAMACPP_PY = Path(os.environ.get("LLAMACPP_PYENV", REPO / ".peers" / "llamacpp-py")) / "bin" / "python"
 PROMPT = "The capital of France is"
+sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
+import peers_servers as ps  # noqa: E402
+
 CALIB = [REPO / "calibration_data" / "general_prose.jsonl", REPO / "calibration_data" / "kb_calibration.jsonl"]
 
 SHAPES = {
@@ -273,26 +275,17 @@ def gguf_bytes_per_token(gguf: Path) -> int:
 
 def serve_llamacpp(gguf: Path, port: int = 18590) -> dict:
     """llama-server on `gguf` with our thread count; one warm-up then one measured 64-token completion."""
-    cmd = [str(LLAMACPP / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads()), "-c", "512",
-           "--parallel", "1", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = ps.llamacpp_command(str(gguf), port, threads=threads(), slots=1, ctx_per_slot=512,
+                              binary=LLAMACPP / "bin" / "llama-server")
     base = f"http://127.0.0.1:{port}"
 
     def ask(proc: subprocess.Popen) -> float:
-        for _ in range(3000):
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server died loading {gguf}")
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
-        rate = 0.0
-        for n in (4, 64):  # warm-up, then the measured completion
-            body = {"prompt": PROMPT, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-            req = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            rate = json.load(urllib.request.urlopen(req, timeout=1800))["timings"]["predicted_per_second"]
-        return round(rate, 2)
+        try:
+            ps.wait_healthy(base, proc, 600)
+        except RuntimeError as e:
+            raise SystemExit(f"llama-server on {gguf}: {e}") from None
+        ps.llamacpp_decode_rate(base, PROMPT, 4)  # warm-up
+        return round(ps.llamacpp_decode_rate(base, PROMPT, 64), 2)
 
     return measure(cmd, during=ask)
 

@@ -31,7 +31,8 @@ from pathlib import Path
 
 PROMPT = "The history of the printing press begins"
 ROOT = Path(__file__).resolve().parents[1]
-LLAMACPP = ROOT / ".peers" / "llama.cpp" / "bin" / "llama-server"
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+import peers_servers as ps  # noqa: E402
 
 
 def _child(model: str, threads: str, tokens: int) -> None:
@@ -76,37 +77,16 @@ class LlamaServer:
     """llama-server on a GGUF: decode speed from the server's own timings for the same greedy tokens."""
 
     def __init__(self, gguf: str, threads: int, tokens: int):
-        import socket
-
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.name = "llama.cpp"
-        self.threads = threads
-        self.tokens = tokens
-        self.proc = subprocess.Popen([str(LLAMACPP), "-m", gguf, "-t", str(threads), "-c", "512", "--port",
-                                      str(self.port), "--host", "127.0.0.1"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        import httpx
-
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        self.name, self.threads, self.tokens = "llama.cpp", threads, tokens
+        self.port = ps.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = ps.llamacpp_command(gguf, self.port, threads=threads, slots=1, ctx_per_slot=512)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ps.wait_healthy(self.url, self.proc, 300)
         self.measure()  # warm-up
 
     def measure(self) -> float:
-        import httpx
-
-        body = {"prompt": PROMPT, "n_predict": self.tokens, "temperature": 0, "ignore_eos": True,
-                "cache_prompt": False}
-        r = httpx.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600).json()
-        return float(r["timings"]["predicted_per_second"])
+        return ps.llamacpp_decode_rate(self.url, PROMPT, self.tokens, 600)
 
     def close(self) -> None:
         self.proc.terminate()

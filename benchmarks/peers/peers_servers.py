@@ -130,6 +130,31 @@ class Server:
         self.stop()
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until `url`/health answers 200; raises when the process exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with {proc.returncode} while starting")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server at {url} not ready after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def llamacpp_decode_rate(url: str, prompt: str, n_predict: int, timeout_s: float = 1800) -> float:
+    """Decode tok/s of one greedy completion of `n_predict` tokens, from llama-server's own timings (prompt
+    cache off, so every call decodes alike)."""
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    r = httpx.post(url + "/completion", json=body, timeout=timeout_s)
+    r.raise_for_status()
+    return float(r.json()["timings"]["predicted_per_second"])
+
+
 def tail(path: Path, n: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
