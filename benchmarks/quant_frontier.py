@@ -15,8 +15,8 @@ One protocol for every point (issue #32, part 6):
 * Ours: RTN, GPTQ (act-order, the default) and AWQ at every group size of 32/64/128 that divides the model's
   linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears)
   and with AWQ at the first; the GPTQ, auto, W8A16 and smallest-group points again with `--lm-head int8` (the
-  head, and the embedding it is tied to, in int8 per row), and RTN and AWQ with asymmetric smallest groups
-  (`--asym`) and the int8 head. Checkpoints are compressed-tensors as `llmopt quantize` writes them by
+  head, and the embedding it is tied to, in int8 per row), the auto points again with `--lm-head auto` (the
+  head inside the budget), and RTN and AWQ with asymmetric smallest groups (`--asym`) and the int8 head. Checkpoints are compressed-tensors as `llmopt quantize` writes them by
   default: the float32 tensors outside the layers (embedding, final norm) in bf16.
 * Bytes: every tensor the checkpoint stores (safetensors files; a GGUF's tensor data, without its tokenizer
   metadata), embedding and head included.
@@ -91,6 +91,14 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
     for label in [k for k in points if "GPTQ" in k or k.startswith("auto") or k == "W8A16 RTN"
                   or k.startswith(f"W4A16 g{smallest} ")]:
         points[f"{label} + int8 head"] = {**points[label], "lm_head": "int8"}
+    # the head inside the budget (`--lm-head auto`: bf16, int8 or int4, chosen with the linears; the budget
+    # then counts the head's weights too, so the same B is a smaller checkpoint)
+    for b in budgets:
+        points[f"auto {b:g} bits GPTQ, head in budget"] = {"scheme": "auto", "target_bits": b, "method": "gptq",
+                                                            "lm_head": "auto"}
+    if budgets:
+        points[f"auto {budgets[0]:g} bits AWQ, head in budget"] = {"scheme": "auto", "target_bits": budgets[0],
+                                                                   "method": "awq", "lm_head": "auto"}
     # asymmetric groups (a zero point per group, what llama.cpp's Q4_1/Q4_K blocks have), smallest groups
     if smallest:
         for method in ("rtn", "awq"):
