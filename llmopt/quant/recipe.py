@@ -31,6 +31,7 @@ Format = Literal["gptq", "compressed-tensors"]
 
 HEAD_INT4_GROUP = 32  # `--lm-head int4`: llama.cpp's Q4_0 block; Marlin and our int4 kernel take it
 
+
 class ModuleScheme(BaseModel):
     """What one linear becomes: a weight scheme, plus dynamic int8 activations for w8a8."""
 
@@ -79,6 +80,7 @@ def candidate_scheme(name: str, symmetric: bool = True) -> ModuleScheme | None:
 # `--lm-head`: the head's schemes, symmetric (int4: groups of HEAD_INT4_GROUP)
 HEAD_SCHEMES: dict[str, ModuleScheme] = {"int8": make_scheme("w8a16", -1, True),
                                         "int4": make_scheme("w4a16", HEAD_INT4_GROUP, True)}
+
 
 def _compile(pattern: str) -> re.Pattern[str]:
     try:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.layers.attention.paged_decode_kernel import CODES
+
 # decode_step.c's enum
 OP_NORM, OP_HEAD_NORM, OP_LINEAR, OP_GATHER_COLS, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_ACT, OP_COPY_COLS = range(9)
 OP_NAMES = ("norm", "head_norm", "linear", "gather_cols", "rotary", "kv_write", "attend", "act", "copy_cols")
 STORAGE = {"bf16": 0, "int8": 1, "int4": 2}
-CODES = {None: 0, "int8": 1, "fp8": 2}  # a KV pool's kind (PagedKVCache.codes), as paged_decode.c numbers them
 
 
 class Op(ctypes.Structure):
