@@ -331,8 +331,7 @@ def bytes_read_per_token(tensors: dict[str, int]) -> int:
     when the model has a separate output head (float, or quantized: `lm_head.weight_packed` and its scales); with
     tied embeddings the table *is* the head and is read whole."""
     total = sum(tensors.values())
-    has_head = any(n in tensors or any(t.startswith(n.rsplit(".", 1)[0] + ".weight") for t in tensors)
-                   for n in HEAD_NAMES)
+    has_head = any(t.startswith(HEAD_NAMES) for t in tensors)  # lm_head.weight, or .weight_packed and scales
     if has_head:
         embed = tuple(n.rsplit(".", 1)[0] + "." for n in EMBED_NAMES)
         total -= sum(v for t, v in tensors.items() if t.startswith(embed))

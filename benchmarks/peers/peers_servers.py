@@ -98,20 +98,13 @@ class Server:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
+        try:
+            wait_healthy(self.url, self.proc, self.timeout_s, paths=("/health", "/v1/models"), poll_s=0.5)
+        except RuntimeError:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting; "
-                                   f"last log lines:\n{tail(self.log)}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and \
-                        httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not ready after {self.timeout_s:.0f} s; log {self.log}")
-            time.sleep(0.5)
+                                   f"last log lines:\n{tail(self.log)}") from None
+            raise RuntimeError(f"{self.name} not ready after {self.timeout_s:.0f} s; log {self.log}") from None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -130,20 +123,22 @@ class Server:
         self.stop()
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    """Until `url`/health answers 200; raises when the process exits first or the time runs out."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600, paths: tuple[str, ...] = ("/health",),
+                 poll_s: float = 0.2) -> None:
+    """Until every one of `paths` under `url` answers 200; raises when the process exits first or the time
+    runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the server at {url} exited with {proc.returncode} while starting")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if all(httpx.get(url + p, timeout=2 if p == "/health" else 5).status_code == 200 for p in paths):
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server at {url} not ready after {timeout_s:.0f} s")
-        time.sleep(0.2)
+        time.sleep(poll_s)
 
 
 def llamacpp_decode_rate(url: str, prompt: str, n_predict: int, timeout_s: float = 1800) -> float:

@@ -129,22 +129,20 @@ class Program:
         k_pool = pool.k[layer]
         hkv, slots, d = k_pool.shape
         codes = CODES[pool.codes]
-        scales = (pool.k_scale[layer], pool.v_scale[layer]) if codes else (None, None)
         static = ((pool.static_k_scale[layer], pool.static_v_scale[layer]) if codes and pool.static_k_scale is not None
                   else (None, None))
         self._op(OP_KV_WRITE, k, None, b=v, i=(kv_group, codes), n=(k.width, v.width, hkv, d, slots),
-                 p=(k_pool, pool.v[layer], *scales, *static))
+                 p=(k_pool, pool.v[layer], *pool.scales(layer), *static))
 
     def attend(self, q: Buffer, num_heads: int, pool, layer: int, block_size: int, kv_group: int, window: int,
                scale: float, out: Buffer) -> None:
         """Paged decode attention of the q heads in `q` over layer `layer` of `pool` (bf16, int8 or fp8)."""
         k_pool = pool.k[layer]
         hkv, slots, d = k_pool.shape
-        codes = CODES[pool.codes]
-        scales = (pool.k_scale[layer], pool.v_scale[layer]) if codes else (None, None)
         scratch = self.buffer(f"q{num_heads * d}", num_heads * d).tensor
-        self._op(OP_ATTEND, q, out, i=(kv_group, window, codes), n=(q.width, num_heads, hkv, d, slots, block_size),
-                 f=(scale,), p=(k_pool, pool.v[layer], scratch, *scales))
+        self._op(OP_ATTEND, q, out, i=(kv_group, window, CODES[pool.codes]),
+                 n=(q.width, num_heads, hkv, d, slots, block_size), f=(scale,),
+                 p=(k_pool, pool.v[layer], scratch, *pool.scales(layer)))
 
     def act(self, x: Buffer, intermediate: int, gelu: bool, out: Buffer) -> None:
         self._op(OP_ACT, x, out, i=(int(gelu),), n=(intermediate,))

@@ -158,9 +158,8 @@ class HeadMajorBackend(AttentionBackend):
             qg = q[start:start + group.size]
             start += group.size
             if kernel is not None:
-                scales = (pool.k_scale[idx], pool.v_scale[idx]) if pool.quantized else (None, None)
                 outs.append(kernel(qg, pool.k[idx], pool.v[idx], group.blocks[g], group.lens, group.starts[g],
-                                   self.block_size, layer.window or 0, layer.scale, pool.codes, *scales))
+                                   self.block_size, layer.window or 0, layer.scale, pool.codes, *pool.scales(idx)))
                 continue
             mask = group.mask if layer.window is None else meta.window_decode_mask(i, layer.window)
             if group.starts[g]:  # a sliding group gathers from the first block still in a window

@@ -52,6 +52,10 @@ class PagedKVCache:
         self.static_k_scale = k_scale.to(dev, torch.float32).reshape(self.num_layers, self.num_kv_heads)
         self.static_v_scale = v_scale.to(dev, torch.float32).reshape(self.num_layers, self.num_kv_heads)
 
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Layer `layer`'s per-slot K and V scales [Hkv, slots, 1] of an int8 / fp8 pool; (None, None) for bf16."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+
     def _quant(self, x: torch.Tensor, static: torch.Tensor | None, layer: int):
         """x: [Hkv, T, D] → codes and scales [Hkv, T, 1]."""
         assert self.codes is not None
