@@ -84,8 +84,10 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
     points["W8A16 RTN"] = {"scheme": "w8a16"}
     for b in budgets:
         points[f"auto {b:g} bits GPTQ"] = {"scheme": "auto", "target_bits": b, "method": "gptq"}
-    if budgets:  # AWQ is the best uniform int4 method on these models: auto with it, at the first budget
+    if budgets:  # AWQ is the best uniform int4 method on SmolLM2, GPTQ on Gemma 3: auto with AWQ, and with the
+        # better of the two per linear (`--method auto`), at the first budget
         points[f"auto {budgets[0]:g} bits AWQ"] = {"scheme": "auto", "target_bits": budgets[0], "method": "awq"}
+        points[f"auto {budgets[0]:g} bits GPTQ|AWQ"] = {"scheme": "auto", "target_bits": budgets[0], "method": "auto"}
     # the same with the head (the tied embedding) in int8 per row: what llama.cpp's ladder does to it too
     smallest = min((g for g in (128, 64, 32) if is_valid_group_size(widths, g)), default=None)
     for label in [k for k in points if "GPTQ" in k or k.startswith("auto") or k == "W8A16 RTN"
@@ -94,11 +96,12 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
     # the head inside the budget (`--lm-head auto`: bf16, int8 or int4, chosen with the linears; the budget
     # then counts the head's weights too, so the same B is a smaller checkpoint)
     for b in budgets:
-        points[f"auto {b:g} bits GPTQ, head in budget"] = {"scheme": "auto", "target_bits": b, "method": "gptq",
-                                                            "lm_head": "auto"}
+        points[f"auto {b:g} bits GPTQ + auto head"] = {"scheme": "auto", "target_bits": b, "method": "gptq",
+                                                        "lm_head": "auto"}
     if budgets:
-        points[f"auto {budgets[0]:g} bits AWQ, head in budget"] = {"scheme": "auto", "target_bits": budgets[0],
-                                                                   "method": "awq", "lm_head": "auto"}
+        for method, name in (("awq", "AWQ"), ("auto", "GPTQ|AWQ")):
+            points[f"auto {budgets[0]:g} bits {name} + auto head"] = {"scheme": "auto", "target_bits": budgets[0],
+                                                                     "method": method, "lm_head": "auto"}
     # asymmetric groups (a zero point per group, what llama.cpp's Q4_1/Q4_K blocks have), smallest groups
     if smallest:
         for method in ("rtn", "awq"):

@@ -442,7 +442,8 @@ def quantize(
     eval_seq_len: int = typer.Option(512, "--eval-seq-len", help="--gate: tokens per perplexity window."),
     eval_max_tokens: Optional[int] = typer.Option(None, "--eval-max-tokens", help="--gate: only the first N "
                                                   "tokens of --eval-data."),
-    method: str = typer.Option("rtn", help="rtn|gptq|awq"),
+    method: str = typer.Option("rtn", help="rtn|gptq|awq, or auto with --scheme auto: GPTQ or AWQ per linear, "
+                               "whichever the search measures less damage for."),
     group_size: Optional[int] = typer.Option(None, help="Columns per scale; -1 per channel. Default: w4a16 128 "
                                              "(64 or 32 when 128 does not divide the model), others per channel."),
     sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (no zero points) or asymmetric int weights."),

@@ -5,7 +5,8 @@ Streamed like `quantize` itself, one decoder layer in memory at a time:
 1. Damage. On a sample of the calibration windows (the first `SAMPLE_TOKENS` tokens; `--auto-tokens`) every decoder layer
    runs in the forward dtype. For each linear it quantizes and each candidate scheme, that linear alone
    is quantized by the method the quantize will use (RTN; with `--method gptq`, GPTQ on the sample's
-   Hessian; with `--method awq`, AWQ's scale and clip searches on the sample's inputs), the layer runs again, and
+   Hessian; with `--method awq`, AWQ's scale and clip searches on the sample's inputs; with `--method auto`, both,
+   as two options of the same size, so the allocation takes the better per linear), the layer runs again, and
    the per-token squared change of the residual stream the layer writes, ‖δ_t‖², is kept. The unquantized
    stream then goes on to the next layer.
 2. Prediction. The final norm and head turn that stream into next-token distributions, and the trace
@@ -56,7 +57,7 @@ from llmopt.models.base import CausalLM
 from llmopt.quant.awq import awq_search_clip, awq_search_scales, scale_linear_inputs
 from llmopt.quant.fp8 import fp8_quantize
 from llmopt.quant.gptq import GPTQ, gptq_quantize
-from llmopt.quant.recipe import ModuleScheme, candidate_scheme
+from llmopt.quant.recipe import SEARCHED_METHODS, ModuleScheme, candidate_scheme
 from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.sequential import scaled_producers
 from llmopt.quant.targets import Target
@@ -81,12 +82,18 @@ def stored_bits(scheme: ModuleScheme | None, in_features: int) -> float:
 
 @dataclass
 class Option:
-    """One candidate for one linear: its scheme (None: float), bits per weight and predicted KL."""
+    """One candidate for one linear: its scheme (None: float), bits per weight and predicted KL; `method`: the
+    quantizer it is measured and quantized with under `--method auto` (None: the run's)."""
 
     candidate: str
     scheme: ModuleScheme | None
     bits: float
     kl: float = 0.0
+    method: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.candidate if self.method is None else f"{self.candidate} {self.method}"
 
 
 @dataclass
@@ -114,12 +121,14 @@ class AutoPlan:
 
     @classmethod
     def for_targets(cls, model: CausalLM, targets: list[Target], candidates: list[str], symmetric: bool,
-                    target_bits: float, head: dict[str, ModuleScheme | None] | None = None) -> AutoPlan:
+                    target_bits: float, head: dict[str, ModuleScheme | None] | None = None,
+                    methods: tuple[str, ...] = ()) -> AutoPlan:
         """The options and weight counts of `targets` that carry a scheme, from the model's shapes alone (the
         meta device will do), nothing measured yet; raises when a linear has no candidate. `head`: the head's
-        candidates by name (`--lm-head auto`), or None to leave it out."""
+        candidates by name (`--lm-head auto`), or None to leave it out; `methods`: each int candidate once per
+        method (`--method auto`), else once."""
         searched = [t for t in targets if t.scheme is not None]
-        options = {t.module: candidate_options(t, candidates, symmetric) for t in searched}
+        options = {t.module: candidate_options(t, candidates, symmetric, methods) for t in searched}
         missing = [t for t in searched if not options[t.module]]
         if missing:
             raise LlmoptError(f"no candidate's group size divides the input width {missing[0].in_features} of "
@@ -159,32 +168,37 @@ class AutoPlan:
             if o is None:
                 out.append(t)
             else:
-                out.append(replace(t, scheme=o.scheme, store_dtype=torch.bfloat16 if o.scheme is None else None))
+                out.append(replace(t, scheme=o.scheme, store_dtype=torch.bfloat16 if o.scheme is None else None,
+                                   method=o.method))
         return out
 
     def summary(self) -> dict:
         counts: dict[str, int] = {}
         for o in self.choice.values():
-            counts[o.candidate] = counts.get(o.candidate, 0) + 1
+            counts[o.label] = counts.get(o.label, 0) + 1
         return {
             "target_bits": self.target_bits, "bits": round(self.bits, 4), "sample_tokens": self.sample_tokens,
             "predicted_kl": self.predicted_kl, "measured_kl": self.measured_kl, "choices": counts,
             "seconds": round(self.seconds, 2), "depth_gains": [round(g, 3) for g in self.gains],
-            "modules": [{"module": m, "choice": o.candidate, "bits": round(o.bits, 4), "predicted_kl": o.kl,
-                         "options": {x.candidate: x.kl for x in self.options[m]}}
+            "modules": [{"module": m, "choice": o.label, "bits": round(o.bits, 4), "predicted_kl": o.kl,
+                         "options": {x.label: x.kl for x in self.options[m]}}
                         for m, o in self.choice.items()],
         }
 
 
-def candidate_options(target: Target, candidates: list[str], symmetric: bool) -> list[Option]:
-    """The candidates valid for this linear (a group size must divide its input width)."""
+def candidate_options(target: Target, candidates: list[str], symmetric: bool,
+                      methods: tuple[str, ...] = ()) -> list[Option]:
+    """The candidates valid for this linear (a group size must divide its input width), each int one once per
+    method in `methods` (`--method auto`; fp8 and float ones once)."""
     out = []
     for name in candidates:
         scheme = candidate_scheme(name, symmetric)
         if scheme is not None and not scheme.weights.per_channel and not is_valid_group_size(
                 [target.in_features], scheme.weights.group_size):
             continue
-        out.append(Option(name, scheme, stored_bits(scheme, target.in_features)))
+        bits = stored_bits(scheme, target.in_features)
+        per_method = methods if scheme is not None and scheme.weights.kind == "int" else ()
+        out.extend([Option(name, scheme, bits, method=m) for m in per_method] or [Option(name, scheme, bits)])
     return out
 
 
@@ -265,7 +279,7 @@ def _run(layer, b: CalibBatch, cache: KVObserver) -> tuple[torch.Tensor, torch.T
 
 @dataclass
 class SearchOptions:
-    method: str
+    method: str  # rtn | gptq | awq, or auto: every int candidate measured by both GPTQ and AWQ
     candidates: list[str]
     symmetric: bool
     forward_dtype: torch.dtype
@@ -286,7 +300,8 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     one module), for the `targets` that carry a scheme; returns the plan to `apply` (`into`, filled in
     place, when given)."""
     t0 = time.perf_counter()
-    shapes = AutoPlan.for_targets(model, targets, opts.candidates, opts.symmetric, target_bits, opts.head)
+    both = SEARCHED_METHODS if opts.method == "auto" else ()
+    shapes = AutoPlan.for_targets(model, targets, opts.candidates, opts.symmetric, target_bits, opts.head, both)
     options, weights = shapes.options, shapes.weights
     searched = [t for t in targets if t.module in options]
     allocate(options, weights, target_bits)  # an impossible budget fails before any measuring
@@ -296,8 +311,8 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     release("embed_tokens")
     cache = KVObserver(len(model.layers), model.spec.num_kv_heads)
     cache.enabled = False
-    sq_err: dict[tuple[str, str], torch.Tensor] = {}  # (module, candidate) -> [T] ‖δ_t‖²
-    gptq, awq = opts.method == "gptq", opts.method == "awq"
+    sq_err: dict[tuple[str, int], torch.Tensor] = {}  # (module, index of its option) -> [T] ‖δ_t‖²
+    gptq, awq = opts.method in ("gptq", "auto"), opts.method in ("awq", "auto")
     probe = _DepthProbes(model, sample, opts, load, release)
     for i, layer in enumerate(model.layers):
         load(f"layers.{i}")
@@ -312,10 +327,10 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         def record(rel: str, x: torch.Tensor, hessians=hessians, inputs=inputs) -> None:
             if gptq:
                 hessians[rel].add_batch(x)
-            else:
+            if awq:
                 inputs[rel].append(x.reshape(-1, x.shape[-1]).float())
 
-        with InputHook({rel: fwd.get_submodule(rel) for rel in [*hessians, *inputs]}, record).installed():
+        with InputHook({rel: fwd.get_submodule(rel) for rel in {*hessians, *inputs}}, record).installed():
             ref = [_run(fwd, b, cache) for b in batches]
         ref_stream = [residual_stream(*r) for r in ref]
         cheapest: dict[str, torch.Tensor] = {}  # rel -> the weight under its cheapest candidate, for the probe
@@ -326,15 +341,21 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
             h = hessians.pop(rel).H if gptq else None
             rows = inputs.pop(rel, None)
             x = torch.cat(rows).to(w.device) if rows else None  # an expert no sampled token reached: RTN
-            quantized = [o for o in options[t.module] if o.scheme is not None]
-            cheap = min(quantized, key=lambda o: o.bits, default=None)
-            for o in quantized:
-                lin.weight.data = _dequantized(w, o.scheme, h, x, rel in scaled, opts).to(opts.forward_dtype)
-                if o is cheap:
-                    cheapest[rel] = lin.weight.data
-                sq_err[(t.module, o.candidate)] = torch.cat([
+            quantized = [(j, o) for j, o in enumerate(options[t.module]) if o.scheme is not None]
+            low = min((o.bits for _, o in quantized), default=None)
+            cheap: dict[int, torch.Tensor] = {}  # the cheapest options' weights (one per method)
+            for j, o in quantized:
+                method = o.method or opts.method  # auto: the option's; with one method every option's is None
+                lin.weight.data = _dequantized(w, o.scheme, h if method == "gptq" else None,
+                                               x if method == "awq" else None, rel in scaled,
+                                               opts).to(opts.forward_dtype)
+                if o.bits == low:
+                    cheap[j] = lin.weight.data
+                sq_err[(t.module, j)] = torch.cat([
                     (residual_stream(*_run(fwd, b, cache)).float() - s.float()).pow(2).sum(-1)
                     for b, s in zip(batches, ref_stream, strict=True)]).cpu()
+            if cheap:  # the probe carries the least damaging of them
+                cheapest[rel] = cheap[min(cheap, key=lambda j: float(sq_err[(t.module, j)].sum()))]
             lin.weight.data = kept
             del w, h, x
         probe.step(i, fwd, cheapest, cache)
@@ -349,10 +370,8 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     del batches
     fisher = _fisher_trace(model, reference, load, release) / reference.shape[-1]  # [T] tr F_t / d
     gains = probe.gains(fisher)
-    for (m, cand), err in sq_err.items():
-        for o in options[m]:
-            if o.candidate == cand:
-                o.kl = 0.5 * float((err * fisher).mean()) * gains[_layer_index(m)]
+    for (m, j), err in sq_err.items():
+        options[m][j].kl = 0.5 * float((err * fisher).mean()) * gains[_layer_index(m)]
     if HEAD in options:
         parts = _head(model, load)
         try:

@@ -25,7 +25,9 @@ PRESETS: tuple[str, ...] = ("w8a16", "w4a16", "fp8", "w8a8")
 AUTO = "auto"  # `--scheme auto --target-bits B`: each linear's precision chosen under a budget (quant/auto.py)
 # what --scheme auto chooses among by default: int4 at three group sizes, int8 per channel, or float
 AUTO_CANDIDATES: tuple[str, ...] = ("w4a16-g128", "w4a16-g64", "w4a16-g32", "w8a16", "bf16")
-Method = Literal["rtn", "gptq", "awq"]
+# auto (with --scheme auto): each linear by GPTQ or AWQ, whichever the search measures less damage for
+Method = Literal["rtn", "gptq", "awq", "auto"]
+SEARCHED_METHODS: tuple[str, ...] = ("gptq", "awq")  # what --method auto chooses between, per linear
 Format = Literal["gptq", "compressed-tensors"]
 
 
@@ -198,6 +200,9 @@ class QuantizeConfig(BaseModel):
                 raise ValueError("--scheme auto chooses every linear's scheme; use --ignore to keep one float")
             for name in self.candidates:
                 candidate_scheme(name, self.symmetric)
+        elif self.method == AUTO:
+            raise ValueError("--method auto lets --scheme auto choose GPTQ or AWQ per linear; give one method "
+                             "(rtn, gptq, awq) otherwise")
         elif self.target_bits is not None or self.eval_data is not None or self.auto_tokens is not None:
             raise ValueError("--target-bits, --eval-data and --auto-tokens apply to --scheme auto only")
         elif self.lm_head == "auto":
@@ -209,14 +214,15 @@ class QuantizeConfig(BaseModel):
             raise ValueError("fp8 weights are quantized by rounding (--method rtn); gptq/awq are int methods")
         if self.scheme == "w8a8" and self.method == "awq":
             raise ValueError("w8a8 uses SmoothQuant for activation outliers; use --method rtn or gptq")
-        if self.act_order and self.method != "gptq":
+        gptq = self.method in ("gptq", AUTO)  # auto: the linears it gives GPTQ
+        if self.act_order and not gptq:
             raise ValueError("--act-order applies to --method gptq only")
         if self.act_order is None:
-            self.act_order = self.method == "gptq"
+            self.act_order = gptq
         if self.act_order and not self.static_groups and self.format == "compressed-tensors":
             raise ValueError("act-order without static groups needs --format gptq (compressed-tensors no longer "
                              "reads a group index)")
-        if self.mse and self.method != "gptq":
+        if self.mse and not gptq:
             raise ValueError("--mse applies to --method gptq only")
         if self.calib is not None and self.calib_data:
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
@@ -235,7 +241,7 @@ class QuantizeConfig(BaseModel):
     @property
     def needs_data(self) -> bool:
         """GPTQ, AWQ, SmoothQuant and KV-cache scales all need calibration activations."""
-        return self.method in ("gptq", "awq") or self.scheme in ("w8a8", AUTO) or self.kv_cache is not None or any(
+        return self.method != "rtn" or self.scheme in ("w8a8", AUTO) or self.kv_cache is not None or any(
             item.rpartition("=")[2] == "w8a8" for item in self.override)
 
     @property

@@ -26,6 +26,10 @@ experts keep their true routed inputs. AWQ scales an expert's down_proj inputs i
 rows; expert gate|up inputs are not scaled (the norm feeding them also feeds the router and every other
 expert), so they get AWQ's clip search only. Routers stay float (`CausalLM.float_linears`).
 
+Each linear goes by the run's method, or by its own (`Target.method`: `--scheme auto --method auto` gives each
+GPTQ or AWQ, whichever its search measured less damage for); an AWQ linear's scales fold into its producer
+whatever the method of the linear that producer is (a GPTQ gate|up takes down_proj's 1/s in its up rows).
+
 Without calibration data (plain RTN, fp8) only step 3 runs. Forward passes use `forward_dtype`
 (bf16 by default: ~3x faster on CPUs with bf16 units); every quantization computation is float32.
 """
@@ -79,7 +83,7 @@ def scaled_producers(model: CausalLM, layer_targets) -> dict[str, tuple[str, str
 
 @dataclass
 class SequentialOptions:
-    method: str = "rtn"  # rtn | gptq | awq
+    method: str = "rtn"  # rtn | gptq | awq, or auto: each target's own (`Target.method`, chosen by the search)
     act_order: bool = True  # GPTQ only (issue #32: without it GPTQ lost to RTN on SmolLM2)
     static_groups: bool = True
     mse: bool = False
@@ -175,9 +179,12 @@ class SequentialQuantizer:
     def _time(self, stage: str, start: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
 
+    def _method(self, t: Target) -> str:
+        return t.method or self.opt.method
+
     def _needs_capture(self, layer_targets: dict[str, Target]) -> bool:
         return self.windows is not None and any(
-            t.scheme and (self.opt.method in ("gptq", "awq") or t.scheme.int8_activations)
+            t.scheme and (self._method(t) != "rtn" or t.scheme.int8_activations)
             for t in layer_targets.values())
 
     @torch.no_grad()
@@ -240,7 +247,7 @@ class SequentialQuantizer:
         total = sum(b.num_tokens for b in batches)
         stride = max(1, total // SAMPLE_TOKENS)
         dev = next(layer.parameters()).device
-        captures = {rel: _Capture(t.in_features, self.opt.method == "gptq", bool(t.scheme and t.scheme.int8_activations),
+        captures = {rel: _Capture(t.in_features, self._method(t) == "gptq", bool(t.scheme and t.scheme.int8_activations),
                                   stride, self.opt.forward_dtype, dev)
                     for rel, t in layer_targets.items()}
         mods = {rel: fwd.get_submodule(rel) for rel in captures}
@@ -300,7 +307,7 @@ class SequentialQuantizer:
             if t.scheme.int8_activations:
                 assert cap.channels is not None
                 s = smoothing_scales(cap.channels.absmax.to(w.device), w, self.opt.smoothquant_alpha)
-            elif self.opt.method == "awq" and t.scheme.weights.kind == "int":
+            elif self._method(t) == "awq" and t.scheme.weights.kind == "int":
                 s, _ = awq_search_scales(cap.sample().to(w.device), [w], t.scheme.weights)
             else:
                 continue
@@ -334,13 +341,13 @@ class SequentialQuantizer:
         method = "rtn"
         if ws.kind == "fp8":
             qw = fp8_quantize(w, ws)
-        elif self.opt.method == "gptq" and cap is not None and cap.hessian is not None:
+        elif self._method(t) == "gptq" and cap is not None and cap.hessian is not None:
             method = "gptq"
             qw, loss = gptq_quantize(w, cap.hessian.take(), ws, damp=self.opt.damp, block_size=self.opt.block_size,
                                      act_order=self.opt.act_order,
                                      static_groups=self.opt.act_order and self.opt.static_groups,
                                      mse_observer=self.opt.mse, own_h=True)
-        elif self.opt.method == "awq" and cap is not None and not scheme.int8_activations:
+        elif self._method(t) == "awq" and cap is not None and not scheme.int8_activations:
             method = "awq"
             max_val = awq_search_clip(cap.sample().to(w.device), w, ws)
             qw = rtn_quantize(w, ws, max_val=max_val)

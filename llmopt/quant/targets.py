@@ -34,6 +34,7 @@ class Target:
     scheme: ModuleScheme | None
     kept_float: bool = False  # a router (`float_linears`): float in every format, not a user's --ignore
     store_dtype: torch.dtype | None = None  # unquantized: the dtype the checkpoint stores it in (None: as is)
+    method: str | None = None  # its own quantization method (`--method auto` chose it), else the run's
 
 
 def hf_parts(model: nn.Module, name: str, module: nn.Module) -> dict[str, tuple[int, int]]:

@@ -26,8 +26,9 @@ KB_FACTS = REPO / "calibration_data" / "kb_facts.md"
 HF_SEQS = [list(range(3, 200, 7)), [5, 9, 17, 33]]
 
 
-def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[QuantReport, dict[str, QuantizedModule]]:
-    """quantize_model(...) plus the modules handed to the checkpoint writer."""
+def quantize_tiny(monkeypatch, model: Path, out: Path, plan: Any = None,
+                  **options: Any) -> tuple[QuantReport, dict[str, QuantizedModule]]:
+    """quantize_model(...) plus the modules handed to the checkpoint writer (`plan`: an auto plan to reuse)."""
     captured: dict[str, Any] = {"modules": {}}
     real = CheckpointExport.add_layer
 
@@ -38,7 +39,7 @@ def quantize_tiny(monkeypatch, model: Path, out: Path, **options: Any) -> tuple[
     monkeypatch.setattr(CheckpointExport, "add_layer", spy)
     options.setdefault("device", "cpu")
     options.setdefault("forward_dtype", "float32")
-    report = quantize_model(QuantizeConfig(model=str(model), output=out, **options))
+    report = quantize_model(QuantizeConfig(model=str(model), output=out, **options), plan=plan)
     return report, captured["modules"]
 
 

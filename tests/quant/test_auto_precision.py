@@ -104,6 +104,62 @@ def test_with_awq_each_candidate_is_measured_as_awq_quantizes_it(tiny_llama, tmp
     assert sum(kl["awq"].values()) < 0.9 * sum(kl["rtn"].values())
 
 
+def test_method_auto_measures_both_methods_and_takes_the_better(tiny_llama, tmp_path, monkeypatch):
+    """--method auto: every int candidate of every linear is measured by GPTQ and by AWQ, and the choice takes
+    the less damaging of the two at each size. On the tiny model GPTQ wins every linear, so the depth probes
+    carry GPTQ's weights and the GPTQ options' predictions are --method gptq's own, exactly."""
+    opts = {"scheme": "auto", "target_bits": 4.5, "candidates": ["w4a16-g32", "w8a16"], **calib_options()}
+    gptq, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "gptq", method="gptq", **opts)
+    both, modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "auto", method="auto", **opts)
+    assert both.settings["act_order"] is True  # the linears it gives GPTQ get GPTQ's default order
+    single = {m["module"]: m["options"] for m in gptq.auto["modules"]}
+    for m in both.auto["modules"]:
+        kl = m["options"]
+        assert set(kl) == {f"{c} {meth}" for c in ("w4a16-g32", "w8a16") for meth in ("gptq", "awq")}
+        for c in ("w4a16-g32", "w8a16"):
+            assert kl[f"{c} gptq"] == pytest.approx(single[m["module"]][c], rel=1e-6)
+        candidate, method = m["choice"].split()
+        other = "awq" if method == "gptq" else "gptq"
+        assert kl[m["choice"]] <= kl[f"{candidate} {other}"]
+        assert modules[m["module"]].method == method  # and the quantize ran the chosen method
+    assert both.auto["measured_kl"] == pytest.approx(gptq.auto["measured_kl"], rel=1e-6)
+
+
+def test_method_auto_quantizes_each_linear_by_its_own_method(tiny_llama, tmp_path, monkeypatch):
+    """A plan that gives some linears AWQ and the rest GPTQ (here set by hand on real measurements, to have a
+    mix on the tiny model): AWQ's scales fold into the producers of the AWQ linears only, each linear is
+    quantized by its method, and transformers loads the checkpoint to our engine's logits."""
+    from llmopt.quant.auto import AutoPlan
+    from llmopt.quant.pipeline import quantize_model
+
+    opts = {"scheme": "auto", "target_bits": 4.5, "candidates": ["w4a16-g32", "w8a16"], "method": "auto",
+            "device": "cpu", "forward_dtype": "float32", **calib_options()}
+    plan = AutoPlan(4.5, {}, {})
+    quantize_model(QuantizeConfig(model=str(tiny_llama), output=tmp_path / "first", **opts), plan=plan)
+    awq = {"layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj"}
+    for m, options in plan.options.items():
+        for o in options:
+            if o.method == "awq" and m in awq:
+                o.kl = 0.0  # AWQ now looks best for these two
+    out = tmp_path / "mixed"
+    report, modules = quantize_tiny(monkeypatch, tiny_llama, out, plan=plan, **opts)
+    assert {m: q.method for m, q in modules.items()} == {m: "awq" if m in awq else "gptq" for m in plan.options}
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as st, \
+            safe_open(str(next(tiny_llama.glob("*.safetensors"))), "pt") as src:
+        def changed(name: str) -> bool:
+            return not torch.equal(st.get_tensor(name).float(), src.get_tensor(name).float())
+        assert changed("model.layers.0.input_layernorm.weight")  # 1/s of layer 0's q|k|v scales
+        assert not changed("model.layers.1.input_layernorm.weight")  # GPTQ: nothing folded
+        assert not changed("model.layers.0.post_attention_layernorm.weight")
+    llm = LLM(str(out), dtype="float32", device="cpu")
+    assert_transformers_loads_export(out, llm, modules)
+
+
+def test_method_auto_needs_scheme_auto(tmp_path):
+    with pytest.raises(ValueError, match="--method auto"):
+        QuantizeConfig(model="x", scheme="w4a16", method="auto", output=tmp_path / "q")
+
+
 def test_auto_tokens_sets_the_damage_sample(tiny_llama, tmp_path, monkeypatch):
     """--auto-tokens N: the damage is measured on the first N calibration tokens (whole windows, at least one)."""
     report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "q", scheme="auto", target_bits=4.5,

@@ -60,6 +60,7 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "w4a16", "--lm-head", "int3"], "lm_head"),
     (["--scheme", "w4a16", "--lm-head", "int4", "--format", "gptq"], "--lm-head int4 is written as a compressed"),
     (["--scheme", "w4a16", "--lm-head", "auto"], "--lm-head auto lets --scheme auto choose the head"),
+    (["--scheme", "w4a16", "--method", "auto"], "--method auto lets --scheme auto choose GPTQ or AWQ"),
     (["--scheme", "w4a16", "--float-dtype", "fp16"], "float_dtype"),
     (["--scheme", "w4a16", "--gate", "kl_div<=0.1"], "--gate applies to --scheme auto"),
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--calib-data", str(KB)], "--gate needs --eval-data"),
