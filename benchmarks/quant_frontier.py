@@ -281,7 +281,7 @@ def main() -> None:
 
     from llmopt.calibrate import CalibrateConfig, SavedStats, run_calibration
     from llmopt.io import write_text_atomic
-    from llmopt.models.resolve import resolve_model, weights_dir
+    from llmopt.models.resolve import gguf_weights_dir, resolve_model, weights_dir
     from llmopt.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -332,7 +332,10 @@ def main() -> None:
             out = work / f"{what}.gguf"
             extra = quantize_llamacpp(what, f32, imatrix, out, args.threads)
         log(f"{label}: scoring")
-        row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), "ppl": score(out, texts), **extra}
+        # a GGUF is scored as llmopt loads one, but with the source's tokenizer: the ids are the same, and
+        # transformers cannot rebuild Gemma 3's vocabulary from the GGUF convert_hf_to_gguf.py writes
+        scored = gguf_weights_dir(out, model_dir) if out.suffix == ".gguf" else out
+        row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), "ppl": score(scored, texts), **extra}
         if out.suffix == ".gguf":
             drop_gguf_cache(out)
             out.unlink()

@@ -151,6 +151,12 @@ def resolve_model(model: str | None = None) -> ResolvedModel:
     return ResolvedModel(source, kind, path, ModelSpec.from_hf_config(cfg), cfg)
 
 
+def gguf_weights_dir(gguf: Path, tokenizer_from: Path) -> Path:
+    """`weights_dir` of a GGUF file, with the tokenizer of the HF directory `tokenizer_from` (the model it was
+    made from) instead of its own."""
+    return _convert_gguf(gguf, tokenizer_from)
+
+
 def weights_dir(resolved: ResolvedModel) -> Path:
     """A directory with config.json, *.safetensors and tokenizer files for `resolved`."""
     if resolved.config.get("model_type") == "gemma3" and resolved.kind != "gguf":
@@ -167,8 +173,10 @@ def weights_dir(resolved: ResolvedModel) -> Path:
     return _convert_gguf(resolved.path)
 
 
-def _convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file once into a cached HF directory (written atomically)."""
+def _convert_gguf(gguf: Path, tokenizer_from: Path | None = None) -> Path:
+    """Dequantize a GGUF file once into a cached HF directory (written atomically). `tokenizer_from`: an HF
+    directory whose tokenizer to use instead of the GGUF's (transformers cannot rebuild every GGUF vocabulary,
+    e.g. Gemma 3's as llama.cpp's convert_hf_to_gguf.py writes it)."""
     final = _gguf_cache_dir(gguf)
     if (final / "model.safetensors").is_file():
         return final
@@ -178,7 +186,8 @@ def _convert_gguf(gguf: Path) -> Path:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tok = (AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from is not None else
+                   AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             from safetensors.torch import save_file
 
