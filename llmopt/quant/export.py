@@ -141,10 +141,14 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_gro
     if skipped:
         raise LlmoptError(f"the gptq format cannot leave decoder linears unquantized ({skipped[0]}); "
                           "use --format compressed-tensors")
-    # one group per channel has nothing to order: vLLM, too, reads desc_act as false there
-    desc_act = act_order and scheme.weights.group_size != -1
-    return gptq_quantization_config(scheme.weights, desc_act=desc_act, static_groups=desc_act and static_groups,
-                                    damp_percent=damp)
+    # desc_act means "read g_idx, the columns are not in group order": only act-order without static groups
+    # leaves them so. With static groups the g_idx is the identity, which every kernel reads as plain groups,
+    # and vLLM refuses desc_act=True outright ("no longer supported"); one group per channel has nothing to
+    # order either. static_groups records that GPTQ ran in act-order with its group scales fixed up front.
+    grouped = scheme.weights.group_size != -1
+    desc_act = act_order and not static_groups and grouped
+    return gptq_quantization_config(scheme.weights, desc_act=desc_act, static_groups=act_order and static_groups
+                                    and grouped, damp_percent=damp)
 
 
 def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,

@@ -170,12 +170,13 @@ def test_act_order_with_a_group_index_and_mse_ranges_round_trip(tiny_llama, tmp_
 
 
 def test_default_gptq_exports_act_order_static_groups(tiny_llama, tmp_path, monkeypatch):
-    """GPTQ's default (act-order, static groups; issue #32) in the gptq format: desc_act with static groups
-    and an identity g_idx; per channel (w8a16) there is nothing to order, so desc_act stays false."""
+    """GPTQ's default (act-order, static groups; issue #32) in the gptq format: static groups and an identity
+    g_idx, so desc_act is false (the columns are in group order; vLLM refuses desc_act=True checkpoints); per
+    channel (w8a16) there is nothing to order."""
     _, modules = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "w4", scheme="w4a16", group_size=32,
                                method="gptq", format="gptq", **calib_options(2, 32))
     cfg = json.loads((tmp_path / "w4" / "config.json").read_text())["quantization_config"]
-    assert (cfg["desc_act"], cfg["static_groups"]) == (True, True)
+    assert (cfg["desc_act"], cfg["static_groups"]) == (False, True)
     assert not any(m.qw.is_act_order for m in modules.values())  # identity g_idx: every kernel reads it
     quantize_tiny(monkeypatch, tiny_llama, tmp_path / "w8", scheme="w8a16", method="gptq", format="gptq",
                   **calib_options(2, 32))

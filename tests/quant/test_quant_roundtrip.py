@@ -100,7 +100,7 @@ def test_qwen2_bias_and_act_order_roundtrip(tiny_qwen2, tmp_path, monkeypatch):
     _, modules = quantize_tiny(monkeypatch, tiny_qwen2, out, scheme="w4a16", group_size=32, method="gptq",
                                act_order=True, format="gptq", **calib_options())
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert cfg["desc_act"] is True and cfg["static_groups"] is True
+    assert cfg["desc_act"] is False and cfg["static_groups"] is True  # identity g_idx: plain groups
     llm = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=16)
     qkv = llm.engine.model.layers[0].self_attn.qkv_proj
     assert qkv.bias is not None
