@@ -30,6 +30,8 @@ SCHEMES: dict[str, dict | None] = {
     "w8a16": {"scheme": "w8a16"},
     "w4a16": {"scheme": "w4a16", "group_size": 64},
     "w4a16-gptq": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "format": "gptq"},
+    # the default: GPTQ (act-order, static groups) in compressed-tensors, which declares actorder "weight"
+    "w4a16-gptq-ct": {"scheme": "w4a16", "group_size": 64, "method": "gptq"},
     "fp8": {"scheme": "fp8"},
     "w8a8": {"scheme": "w8a8"},
     "w8a16-kv-int8": {"scheme": "w8a16", "kv_cache": "int8"},
