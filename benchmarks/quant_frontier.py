@@ -207,7 +207,8 @@ def table(result: dict[str, Any]) -> str:
         cells = [f"{r['ppl'][n]:.3f} ({100 * (r['ppl'][n] / base['ppl'][n] - 1):+.1f}%)" if r is not base
                  else f"{r['ppl'][n]:.3f}" for n in names]
         q = f"{r['quantize_s']:.0f}" if "quantize_s" in r else ""
-        label = f"**{r['label']}**" if r.get("tool") == "llmopt" and r["label"].startswith("auto") else r["label"]
+        label = r["label"].replace("|", "\\|")  # "GPTQ|AWQ" inside a Markdown cell
+        label = f"**{label}**" if r.get("tool") == "llmopt" and label.startswith("auto") else label
         lines.append(f"| {label} | {r.get('tool', '')} | {r['bytes'] / 1e6:.1f} | {' | '.join(cells)} | {q} |")
     return "\n".join(lines)
 
