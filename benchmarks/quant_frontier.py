@@ -189,13 +189,6 @@ def score(path: Path, texts: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
-def drop_gguf_cache(path: Path) -> None:
-    """A scored GGUF's dequantized copy in llmopt's cache (hundreds of MB each) goes once scored."""
-    from llmopt.models.resolve import resolve_model, weights_dir
-
-    shutil.rmtree(weights_dir(resolve_model(str(path))), ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------------------------------- output
 def table(result: dict[str, Any]) -> str:
     names = list(TEXTS)
@@ -337,11 +330,8 @@ def main() -> None:
         # transformers cannot rebuild Gemma 3's vocabulary from the GGUF convert_hf_to_gguf.py writes
         scored = gguf_weights_dir(out, model_dir) if out.suffix == ".gguf" else out
         row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), "ppl": score(scored, texts), **extra}
-        if out.suffix == ".gguf":
-            drop_gguf_cache(out)
-            out.unlink()
-        else:
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(scored, ignore_errors=True)  # a GGUF's dequantized copy in llmopt's cache: hundreds of MB
+        out.unlink(missing_ok=True)
         result["points"][label] = row
         result["threads"] = args.threads
         save()

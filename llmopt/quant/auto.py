@@ -137,7 +137,7 @@ class AutoPlan:
         if head:
             hidden = model.spec.hidden_size
             options[HEAD] = [Option(name, sch, stored_bits(sch, hidden)) for name, sch in head.items()
-                             if sch is None or sch.weights.per_channel or hidden % sch.weights.group_size == 0]
+                             if _fits(sch, hidden)]
             weights[HEAD] = model.spec.vocab_size * hidden
         return cls(target_bits, options, weights)
 
@@ -186,6 +186,13 @@ class AutoPlan:
         }
 
 
+def _fits(scheme: ModuleScheme | None, in_features: int) -> bool:
+    """Whether `scheme` can quantize a weight `in_features` wide (float and per-channel always can; a group size
+    must be valid for the width)."""
+    return scheme is None or scheme.weights.per_channel or is_valid_group_size([in_features],
+                                                                               scheme.weights.group_size)
+
+
 def candidate_options(target: Target, candidates: list[str], symmetric: bool,
                       methods: tuple[str, ...] = ()) -> list[Option]:
     """The candidates valid for this linear (a group size must divide its input width), each int one once per
@@ -193,8 +200,7 @@ def candidate_options(target: Target, candidates: list[str], symmetric: bool,
     out = []
     for name in candidates:
         scheme = candidate_scheme(name, symmetric)
-        if scheme is not None and not scheme.weights.per_channel and not is_valid_group_size(
-                [target.in_features], scheme.weights.group_size):
+        if not _fits(scheme, target.in_features):
             continue
         bits = stored_bits(scheme, target.in_features)
         per_method = methods if scheme is not None and scheme.weights.kind == "int" else ()
