@@ -27,8 +27,9 @@ One protocol for every point (issue #32, part 6):
   tinyshakespeare.txt.
 
 Results go to runs/quant-frontier/<model>/frontier.json after each point (--reuse keeps finished points),
-the table to stdout, the plot to docs/quant-frontier-<model>.png and, with --write-doc, the table into
-docs/QUANTIZE.md between this model's markers.
+the table to stdout and the plot to runs/quant-frontier/<model>/quant-frontier-<model>.png; with --write-doc
+the plot goes to docs/ instead and the table into docs/QUANTIZE.md between this model's markers (without it,
+a partial run leaves the docs alone).
 """
 
 from __future__ import annotations
@@ -339,9 +340,9 @@ def main() -> None:
 
     text = table(result)
     print(text)
-    png = ROOT / f"docs/quant-frontier-{args.model}.png"
+    png = (ROOT / "docs" if args.write_doc else work) / f"quant-frontier-{args.model}.png"
     plot(result, png)
-    log(f"plot: {png.relative_to(ROOT)}")
+    log(f"plot: {png}")
     if args.write_doc:
         write_doc(args.model, f"{result['model']}, {result['tokens']} held-out tokens per text, {result['num_samples']} "
                   f"x {SEQ} calibration windows; {result['cpu']}, {result['threads']} threads, torch {result['torch']}; "
