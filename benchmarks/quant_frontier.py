@@ -24,7 +24,10 @@ One protocol for every point (issue #32, part 6):
   --max-tokens N` scores (the text tokenized by the source model's tokenizer once, non-overlapping windows).
   A GGUF is dequantized by transformers (as `llmopt` loads any .gguf). Two held-out texts, never the
   calibration text: the first --tokens tokens of ../shared/data/wikitext2-valid.txt and of
-  tinyshakespeare.txt.
+  tinyshakespeare.txt. Beside perplexity, each point's KL(unquantized || point) per token on the same
+  tokens, as `llmopt eval --baseline` measures it (the unquantized model's top-256 log-probs kept once):
+  perplexity can order two points of nearly equal damage either way, KL measures the damage itself
+  (docs/QUANTIZE.md, "A third reason").
 
 Results go to runs/quant-frontier/<model>/frontier.json after each point (--reuse keeps finished points),
 the table to stdout and the plot to runs/quant-frontier/<model>/quant-frontier-<model>.png; with --write-doc
@@ -179,27 +182,39 @@ def quantize_llamacpp(kind: str, f32: Path, imatrix: Path, out: Path, threads: i
 
 
 # --------------------------------------------------------------------------------------------------- scoring
-def score(path: Path, texts: dict[str, list[int]]) -> dict[str, float]:
-    """Perplexity of each text's token ids under `path` in our engine, float32, as `llmopt eval` scores them."""
+def score(path: Path, texts: dict[str, list[int]], reference: dict[str, Any] | None = None,
+          record: bool = False) -> dict[str, dict[str, float]]:
+    """Perplexity of each text's token ids under `path` in our engine, float32, as `llmopt eval` scores them;
+    and, given the unquantized model's `reference` (text -> its top-k log-probs, filled when `record`), the mean
+    KL(unquantized || this) per token, as `llmopt eval --baseline` measures it (top-256 coarsened, a lower bound)."""
     from llmopt import LLM
     from llmopt.eval.perplexity import score_text
 
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
-    out = {name: float(score_text(llm.engine, ids, SEQ).nll[0].ppl) for name, ids in texts.items()}
+    ppl, kl = {}, {}
+    for name, ids in texts.items():
+        ref = None if reference is None else reference[name]
+        s = score_text(llm.engine, ids, SEQ, record=ref if record else None,
+                       compare_to=None if record else ref)
+        ppl[name] = float(s.nll[0].ppl)
+        if s.divergence is not None:
+            kl[name] = float(s.divergence.kl_div)
     del llm
-    return out
+    return {"ppl": ppl, "kl": kl} if kl else {"ppl": ppl}
 
 
 # ---------------------------------------------------------------------------------------------------- output
 def table(result: dict[str, Any]) -> str:
     names = list(TEXTS)
     base = result["base"]
-    lines = [f"| point | tool | checkpoint MB | {' | '.join(f'{n} ppl (vs fp32)' for n in names)} | quantize s |",
-             "|---|---|---|" + "---|" * len(names) + "---|"]
+    lines = [f"| point | tool | checkpoint MB | {' | '.join(f'{n} ppl (vs fp32)' for n in names)} | "
+             f"{' | '.join(f'{n} KL' for n in names)} | quantize s |",
+             "|---|---|---|" + "---|" * (2 * len(names)) + "---|"]
     rows = sorted(result["points"].values(), key=lambda r: r["bytes"])
     for r in [base, *rows]:
         cells = [f"{r['ppl'][n]:.3f} ({100 * (r['ppl'][n] / base['ppl'][n] - 1):+.1f}%)" if r is not base
                  else f"{r['ppl'][n]:.3f}" for n in names]
+        cells += [f"{r['kl'][n]:.4f}" if n in r.get("kl", {}) else "" for n in names]
         q = f"{r['quantize_s']:.0f}" if "quantize_s" in r else ""
         label = r["label"].replace("|", "\\|")  # "GPTQ|AWQ" inside a Markdown cell
         label = f"**{label}**" if r.get("tool") == "llmopt" and label.startswith("auto") else label
@@ -304,11 +319,22 @@ def main() -> None:
                "torch": torch.__version__,
                "llamacpp": (LLAMACPP / "BUILD_INFO").read_text().splitlines()[0] if (LLAMACPP / "BUILD_INFO").is_file() else None}
     result.setdefault("points", {})
-    if "base" not in result:
-        log("scoring the unquantized model (fp32)")
-        result["base"] = {"label": "unquantized (fp32 source)", "tool": "", "bytes": checkpoint_bytes(model_dir),
-                          "ppl": score(model_dir, texts)}
     save = lambda: write_text_atomic(results_file, json.dumps(result, indent=2))  # noqa: E731
+    reference: dict[str, Any] = {}  # text -> the unquantized model's top-k log-probs, once a point needs them
+
+    def baseline() -> dict[str, Any]:
+        if not reference:
+            from llmopt.eval.divergence import BaselineTopK
+
+            log("scoring the unquantized model (fp32), keeping its top-k log-probs for the points' KL")
+            reference.update({name: BaselineTopK() for name in texts})
+            result["base"] = {"label": "unquantized (fp32 source)", "tool": "",
+                              "bytes": checkpoint_bytes(model_dir), **score(model_dir, texts, reference, record=True)}
+            save()
+        return reference
+
+    if "base" not in result:
+        baseline()
     save()
 
     plan: dict[str, tuple[str, Any]] = {k: ("llmopt", v) for k, v in
@@ -330,13 +356,14 @@ def main() -> None:
         # a GGUF is scored as llmopt loads one, but with the source's tokenizer: the ids are the same, and
         # transformers cannot rebuild Gemma 3's vocabulary from the GGUF convert_hf_to_gguf.py writes
         scored = gguf_weights_dir(out, model_dir) if out.suffix == ".gguf" else out
-        row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), "ppl": score(scored, texts), **extra}
+        row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), **score(scored, texts, baseline()),
+               **extra}
         shutil.rmtree(scored, ignore_errors=True)  # a GGUF's dequantized copy in llmopt's cache: hundreds of MB
         out.unlink(missing_ok=True)
         result["points"][label] = row
         result["threads"] = args.threads
         save()
-        log(f"{label}: {row['bytes'] / 1e6:.1f} MB, ppl {row['ppl']}")
+        log(f"{label}: {row['bytes'] / 1e6:.1f} MB, ppl {row['ppl']}, KL {row.get('kl')}")
 
     text = table(result)
     print(text)
