@@ -4,11 +4,14 @@ Streamed like `quantize` itself, one decoder layer in memory at a time:
 
 1. Damage. On a sample of the calibration windows (the first `SAMPLE_TOKENS` tokens; `--auto-tokens`) every decoder layer
    runs in the forward dtype. For each linear it quantizes and each candidate scheme, that linear alone
-   is quantized by the method the quantize will use (RTN; with `--method gptq`, GPTQ on the sample's
-   Hessian; with `--method awq`, AWQ's scale and clip searches on the sample's inputs; with `--method auto`, both,
-   as two options of the same size, so the allocation takes the better per linear), the layer runs again, and
+   is quantized by the method the quantize will use (RTN; with `--method gptq`, GPTQ on a Hessian; with
+   `--method awq`, AWQ's scale and clip searches on the linear's inputs; with `--method auto`, both, as two
+   options of the same size, so the allocation takes the better per linear), the layer runs again, and
    the per-token squared change of the residual stream the layer writes, ‖δ_t‖², is kept. The unquantized
-   stream then goes on to the next layer.
+   stream then goes on to the next layer. GPTQ's Hessian and AWQ's inputs come from the next windows as
+   many (the fit set), not from the sample the damage is measured on: a method fitted to the very tokens
+   that judge it looks better than it does on held-out text (GPTQ's error feedback most: measured on
+   SmolLM2, docs/QUANTIZE.md). With no windows beyond the sample, both come from the sample.
 2. Prediction. The final norm and head turn that stream into next-token distributions, and the trace
    of each token's Fisher information with respect to the final residual stream, tr F_t, is estimated from
    the gradients of sampled tokens' log-probabilities. A perturbation that reaches the end along the
@@ -311,14 +314,18 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     options, weights = shapes.options, shapes.weights
     searched = [t for t in targets if t.module in options]
     allocate(options, weights, target_bits)  # an impossible budget fails before any measuring
-    sample = windows[: max(1, opts.sample_tokens // windows.shape[1])]
+    n = max(1, opts.sample_tokens // windows.shape[1])
+    sample, fit = windows[:n], windows[n:2 * n]
+    per_batch = max(1, opts.batch_tokens // sample.shape[1])
+    gptq, awq = opts.method in ("gptq", "auto"), opts.method in ("awq", "auto")
     load("embed_tokens")
-    batches = embed_batches(model, sample, max(1, opts.batch_tokens // sample.shape[1]), opts.forward_dtype)
+    batches = embed_batches(model, sample, per_batch, opts.forward_dtype)
+    # the fit set (GPTQ's Hessians, AWQ's inputs): windows the damage is not measured on, when there are any
+    fit_batches = embed_batches(model, fit, per_batch, opts.forward_dtype) if (gptq or awq) and len(fit) else []
     release("embed_tokens")
     cache = KVObserver(len(model.layers), model.spec.num_kv_heads)
     cache.enabled = False
     sq_err: dict[tuple[str, int], torch.Tensor] = {}  # (module, index of its option) -> [T] ‖δ_t‖²
-    gptq, awq = opts.method in ("gptq", "auto"), opts.method in ("awq", "auto")
     probe = _DepthProbes(model, sample, opts, load, release)
     for i, layer in enumerate(model.layers):
         load(f"layers.{i}")
@@ -337,6 +344,10 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
                 inputs[rel].append(x.reshape(-1, x.shape[-1]).float())
 
         with InputHook({rel: fwd.get_submodule(rel) for rel in {*hessians, *inputs}}, record).installed():
+            for b in fit_batches:  # recorded, and carried on to the next layer unquantized
+                b.hidden, b.residual = _run(fwd, b, cache)
+            ref = None if fit_batches else [_run(fwd, b, cache) for b in batches]  # no fit set: the sample's
+        if ref is None:
             ref = [_run(fwd, b, cache) for b in batches]
         ref_stream = [residual_stream(*r) for r in ref]
         cheapest: dict[str, torch.Tensor] = {}  # rel -> the weight under its cheapest candidate, for the probe
@@ -373,7 +384,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
         if progress:
             progress(i)
     reference = torch.cat([b.stream for b in batches]).float()
-    del batches
+    del batches, fit_batches
     fisher = _fisher_trace(model, reference, load, release) / reference.shape[-1]  # [T] tr F_t / d
     gains = probe.gains(fisher)
     for (m, j), err in sq_err.items():

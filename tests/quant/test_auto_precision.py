@@ -252,3 +252,33 @@ def test_lm_head_auto_puts_the_head_in_the_budget(tiny_llama, tmp_path, monkeypa
 def test_lm_head_auto_needs_scheme_auto(tmp_path):
     with pytest.raises(ValueError, match="--lm-head auto"):
         QuantizeConfig(model="x", scheme="w4a16", lm_head="auto", output=tmp_path / "q")
+
+
+def test_gptq_is_fitted_on_windows_the_damage_is_not_measured_on(tiny_llama, tmp_path, monkeypatch):
+    """With calibration windows beyond the damage sample, the search fits GPTQ's Hessians on the next windows as
+    many, not on the sample that judges it: swapping those windows for others moves GPTQ's predictions, while
+    RTN's, which fit nothing, stay the same (the sample is the same two windows in both runs)."""
+    import llmopt.quant.pipeline as pipeline
+
+    real = pipeline.sample_windows
+
+    def reordered(order):
+        def sample(*args, **kwargs):
+            cs = real(*args, **kwargs)
+            cs.windows = cs.windows[order]
+            return cs
+        return sample
+
+    predictions = {}
+    for method in ("gptq", "rtn"):
+        for name, order in (("next", [0, 1, 2, 3, 4, 5]), ("other", [0, 1, 4, 5, 2, 3])):
+            monkeypatch.setattr(pipeline, "sample_windows", reordered(order))
+            report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / f"{method}-{name}", scheme="auto",
+                                      target_bits=4.5, candidates=["w4a16-g32", "w8a16"], method=method,
+                                      auto_tokens=128, **calib_options())
+            assert report.auto["sample_tokens"] == 128
+            predictions[method, name] = {m["module"]: m["options"] for m in report.auto["modules"]}
+    assert predictions["rtn", "next"] == predictions["rtn", "other"]
+    moved = [m for m in predictions["gptq", "next"]
+             if predictions["gptq", "next"][m]["w4a16-g32"] != predictions["gptq", "other"][m]["w4a16-g32"]]
+    assert len(moved) == len(predictions["gptq", "next"])
