@@ -13,40 +13,43 @@ to nearest (groups of 32, fp16 scales) and scores held-out perplexity with trans
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from llmopt.quant.rtn import fake_quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = {"wikitext2": ROOT.parent / "shared/data/wikitext2-valid.txt",
          "tinyshakespeare": ROOT.parent / "shared/data/tinyshakespeare.txt"}
 
 
-def positive_scale(w: torch.Tensor, group: int) -> torch.Tensor:
-    """llmopt's symmetric int4 today (rtn.params_from_range)."""
-    g = w.reshape(w.shape[0], -1, group)
+def positive_scale(g: torch.Tensor) -> torch.Tensor:
+    """llmopt's symmetric int4 today (rtn.params_from_range), per group of `g` [rows, groups, size]."""
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
-    s = torch.maximum(-lo / 8, hi / 7).clamp(min=1e-12).half().float()
-    return (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(w.shape)
+    return torch.maximum(-lo / 8, hi / 7).clamp(min=1e-12)
 
 
-def signed_scale(w: torch.Tensor, group: int) -> torch.Tensor:
+def signed_scale(g: torch.Tensor) -> torch.Tensor:
     """Q4_0's: the signed extreme on code -8."""
-    g = w.reshape(w.shape[0], -1, group)
     extreme = g.gather(-1, g.abs().argmax(-1, keepdim=True))
-    s = torch.where(extreme == 0, torch.ones_like(extreme), extreme / -8).half().float()
-    return (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(w.shape)
+    return torch.where(extreme == 0, torch.ones_like(extreme), extreme / -8)
 
 
-def either_sign(w: torch.Tensor, group: int) -> torch.Tensor:
+def either_sign(g: torch.Tensor) -> torch.Tensor:
     """The smaller step of the two signs that clips nothing: max(-min/8, max/7) positive or max(max/8, -min/7)
     negative (the extreme on -8 unless the other side would then pass +7)."""
-    g = w.reshape(w.shape[0], -1, group)
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
     pos, neg = torch.maximum(-lo / 8, hi / 7), torch.maximum(hi / 8, -lo / 7)
     s = torch.where(neg < pos, -neg, pos)
-    s = torch.where(s == 0, torch.ones_like(s), s).half().float()
-    return (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(w.shape)
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def round_int4(w: torch.Tensor, group: int, scale_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`w` rounded to nearest in int4 groups of `group` (codes [-8, 7]) with fp16 scales from `scale_of`."""
+    g = w.reshape(w.shape[0], -1, group)
+    return fake_quantize(g, scale_of(g).half().float(), torch.tensor(8.0), 15).reshape(w.shape)
 
 
 def perplexity(model, ids: list[int], seq: int = 512) -> float:
@@ -75,7 +78,7 @@ def main() -> None:
         with torch.no_grad():
             for n, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear) and ".layers." in f".{n}":
-                    mod.weight.copy_(fq(mod.weight.float(), args.group))
+                    mod.weight.copy_(round_int4(mod.weight.float(), args.group, fq))
         print(f"{name}: " + ", ".join(f"{n} {perplexity(model, v):.3f}" for n, v in ids.items()), flush=True)
 
 

@@ -41,6 +41,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -343,11 +344,11 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
             if awq:
                 inputs[rel].append(x.reshape(-1, x.shape[-1]).float())
 
-        with InputHook({rel: fwd.get_submodule(rel) for rel in {*hessians, *inputs}}, record).installed():
+        hook = InputHook({rel: fwd.get_submodule(rel) for rel in {*hessians, *inputs}}, record)
+        with hook.installed():
             for b in fit_batches:  # recorded, and carried on to the next layer unquantized
                 b.hidden, b.residual = _run(fwd, b, cache)
-            ref = None if fit_batches else [_run(fwd, b, cache) for b in batches]  # no fit set: the sample's
-        if ref is None:
+        with nullcontext() if fit_batches else hook.installed():  # no fit set: the sample is recorded
             ref = [_run(fwd, b, cache) for b in batches]
         ref_stream = [residual_stream(*r) for r in ref]
         cheapest: dict[str, torch.Tensor] = {}  # rel -> the weight under its cheapest candidate, for the probe

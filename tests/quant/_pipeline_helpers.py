@@ -54,10 +54,10 @@ def held_out_ppl(model: Path, text: str, tokens: int = 4096, seq_len: int = 512)
     return score_text(engine, ids, seq_len).nll[0].ppl
 
 
-def held_out_kl(base: str | Path, models: list[Path], text: str, tokens: int = 4096,
-                seq_len: int = 512) -> list[float]:
-    """Mean KL(base || model) per token of each of `models` over the first `tokens` tokens of `text`, as
-    `llmopt eval --baseline` measures it (the base's top-k log-probs kept once)."""
+def held_out_ppl_kl(base: str | Path, models: list[Path], text: str, tokens: int = 4096,
+                    seq_len: int = 512) -> list[tuple[float, float]]:
+    """(perplexity, mean KL(base || model) per token) of each of `models` over the first `tokens` tokens of `text`,
+    from one scoring pass each, as `llmopt eval --baseline` measures them (the base's top-k log-probs kept once)."""
     from llmopt.eval.divergence import BaselineTopK
     from llmopt.eval.engines import EngineOptions, build_llm
     from llmopt.eval.perplexity import score_text
@@ -69,10 +69,10 @@ def held_out_kl(base: str | Path, models: list[Path], text: str, tokens: int = 4
     score_text(engine, ids, seq_len, record=reference)
     out = []
     for m in models:
-        div = score_text(build_llm(str(m), EngineOptions(max_batch_tokens=2048)).engine, ids, seq_len,
-                         compare_to=reference).divergence
-        assert div is not None
-        out.append(div.kl_div)
+        s = score_text(build_llm(str(m), EngineOptions(max_batch_tokens=2048)).engine, ids, seq_len,
+                       compare_to=reference)
+        assert s.divergence is not None
+        out.append((s.nll[0].ppl, s.divergence.kl_div))
     return out
 
 

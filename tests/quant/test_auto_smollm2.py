@@ -15,7 +15,7 @@ from llmopt.eval.textdata import load_text
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig
 from tests.conftest import requires_smollm2
-from tests.quant._pipeline_helpers import held_out_kl, held_out_ppl
+from tests.quant._pipeline_helpers import held_out_ppl_kl
 
 pytestmark = [pytest.mark.slow, requires_smollm2]
 
@@ -30,7 +30,7 @@ def test_auto_at_g32_bits_beats_uniform_g32_on_held_out_text(shared_data, tmp_pa
                                   output=tmp_path / "uniform"), quiet)
     quantize_model(QuantizeConfig(model="smollm2-135m", scheme="auto", target_bits=4.5, device="cpu",
                                   output=tmp_path / "auto", **calib), quiet)
-    uniform, auto = held_out_ppl(tmp_path / "uniform", text), held_out_ppl(tmp_path / "auto", text)
+    (uniform, kl_uniform), (auto, kl_auto) = held_out_ppl_kl("smollm2-135m", [tmp_path / "uniform",
+                                                                              tmp_path / "auto"], text)
     assert auto < uniform, f"auto at 4.5 bits {auto:.3f} >= uniform W4A16 g32 {uniform:.3f} (RTN both)"
-    kl_uniform, kl_auto = held_out_kl("smollm2-135m", [tmp_path / "uniform", tmp_path / "auto"], text)
     assert kl_auto < kl_uniform, f"held-out KL: auto {kl_auto:.4f} >= uniform {kl_uniform:.4f}"
