@@ -22,6 +22,8 @@ app = typer.Typer(
 )
 console = Console()
 THREADS_DEFAULT = "auto"  # llmopt.engine.threads.COMMAND_DEFAULT, without importing torch for --help
+FIXED_THREADS_HELP = ("CPU threads for the whole run (default: torch's, the cores or OMP_NUM_THREADS). A fixed "
+                      "count: GPTQ rounds differently with another, so the report records it.")
 THREADS_HELP = ("CPU threads: N, or auto (the cores other processes leave free, followed while running; "
                 "OpenMP threads on a core another process holds make decode several times slower).")
 err_console = Console(stderr=True)
@@ -408,6 +410,7 @@ def calibrate(
     output: str = typer.Option(..., "--output", "-o", help="CALIB_DIR to write (stats.safetensors, manifest.json)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing CALIB_DIR."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    threads: Optional[int] = typer.Option(None, help=FIXED_THREADS_HELP),
 ) -> None:
     """Measure activation statistics on calibration data (for quantize --calib)."""
     from pathlib import Path
@@ -417,7 +420,8 @@ def calibrate(
     _one_flag_per_source("--data", data, model, ctx.args)
     cfg = CalibrateConfig(model=model, data=data, num_samples=num_samples, seq_len=seq_len, observer=observer,
                           percentile=percentile, seed=seed, chat_template=chat_template, eval_data=eval_data,
-                          allow_overlap=allow_overlap, output=Path(output), overwrite=overwrite, device=device)
+                          allow_overlap=allow_overlap, output=Path(output), overwrite=overwrite, device=device,
+                          threads=threads)
     m = run_calibration(cfg, err_console)
     console.print(f"calibrated on {m.num_windows} windows × {m.seq_len} tokens → {output}")
 
@@ -474,6 +478,7 @@ def quantize(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUT_DIR."),
     output: str = typer.Option(..., "--output", "-o", help="OUT_DIR to write."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    threads: Optional[int] = typer.Option(None, help=FIXED_THREADS_HELP),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size",
                                        help="Largest safetensors shard (5GB, 500MB, 2GiB): past it the checkpoint "
                                        "is model-0000i-of-0000N.safetensors + model.safetensors.index.json."),
@@ -491,7 +496,8 @@ def quantize(
                          calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
                          kv_cache=kv_cache, lm_head=lm_head, float_dtype=float_dtype, format=fmt, output=Path(output),
-                         overwrite=overwrite, device=device, max_shard_size=max_shard_size, target_bits=target_bits, gate=gate,
+                         overwrite=overwrite, device=device, threads=threads, max_shard_size=max_shard_size,
+                         target_bits=target_bits, gate=gate,
                          auto_tokens=auto_tokens,
                          eval_data=Path(eval_data) if eval_data else None, eval_seq_len=eval_seq_len,
                          eval_max_tokens=eval_max_tokens,

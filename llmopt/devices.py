@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,3 +31,20 @@ def free_memory(device: torch.device | str | None = None) -> None:
     native.trim_heap()
     if device is not None and resolve_device(str(device)).type == "cuda":
         torch.cuda.empty_cache()
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """Run the block on `threads` CPU threads (None: as the process has it), then put the count back; yields
+    the count in use. Why a fixed count for quantize and calibrate: GPTQ's Hessian, its Cholesky and the error
+    feedback round differently with the thread count, and borderline weights then take the other code
+    (docs/QUANTIZE.md: 122 of 490 Gemma 3 tensors differ between 1 and 2 threads), so the count is part of
+    what makes a checkpoint reproducible; and on a shared CPU fewer threads than cores avoid OpenMP's
+    barriers waiting for a core another process holds."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -49,6 +49,7 @@ class CalibrateConfig(CalibrationDataConfig):
     output: Path
     overwrite: bool = False
     device: str = "auto"
+    threads: int | None = Field(None, ge=1)  # CPU threads (None: torch's default)
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     batch_tokens: int = Field(4096, ge=1)
 
@@ -73,6 +74,13 @@ def sample_windows(cfg: CalibrationDataConfig, tokenizer, console: Console | Non
 
 def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Manifest:
     """Calibrate `cfg.model` and write `cfg.output`; returns the manifest written."""
+    from llmopt.devices import torch_threads
+
+    with torch_threads(cfg.threads):
+        return _run_calibration(cfg, console)
+
+
+def _run_calibration(cfg: CalibrateConfig, console: Console | None) -> Manifest:
     from llmopt.devices import resolve_device
     from llmopt.models.loader import build_empty, fill_module, release
     from llmopt.models.reader import CheckpointTensors

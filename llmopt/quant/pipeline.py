@@ -103,7 +103,15 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
     (docs/QUANTIZE.md, "How big a model").
 
     `--scheme auto`: `plan`, when given, holds the measurements to reuse (a gate search quantizes several
-    budgets from one search; `auto.search` fills an empty plan in place)."""
+    budgets from one search; `auto.search` fills an empty plan in place). `--threads` holds for the whole run
+    and is recorded in the report's settings (GPTQ's rounding depends on it)."""
+    from llmopt.devices import torch_threads
+
+    with torch_threads(cfg.threads) as threads:
+        return _quantize_model(cfg, console, plan, threads)
+
+
+def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan | None, threads: int) -> QuantReport:
     from llmopt.devices import resolve_device
     from llmopt.models.loader import build_empty, fill_module, release
     from llmopt.models.reader import CheckpointTensors
@@ -205,7 +213,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
             model=resolved.source, output=str(cfg.output), format=cfg.format,
-            settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}),
+            settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}) | {"threads": threads},
             calibration=calib,
             modules=module_reports,
             ignored=[hf for t in targets if t.scheme is None for hf in t.parts if head is None or hf != head[0]],

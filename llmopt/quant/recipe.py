@@ -133,6 +133,7 @@ class QuantizeConfig(BaseModel):
     output: Path
     overwrite: bool = False
     device: str = "auto"
+    threads: int | None = Field(None, ge=1)  # CPU threads (None: torch's default); GPTQ's rounding depends on it
     damp: float = Field(0.01, gt=0)
     block_size: int = Field(128, ge=1)
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"

@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 
 import llmopt.quant.pipeline as pipeline  # called through the module, so tests can stand in for it
+from llmopt.devices import torch_threads
 from llmopt.errors import GateFailed
 from llmopt.eval.compare import BaselineCache, check_inputs, run_eval
 from llmopt.eval.options import EvalOptions
@@ -37,7 +38,8 @@ TOLERANCE_BITS = 0.25  # stop once a passing and a failing budget are this close
 def quantize(cfg: QuantizeConfig, console: Console | None = None) -> QuantReport:
     """`llmopt quantize`: with `--gate`, the gate search; otherwise one quantization (`quantize_model`)."""
     if cfg.gate:
-        return quantize_to_gate(cfg, console)
+        with torch_threads(cfg.threads):  # the evals too
+            return quantize_to_gate(cfg, console)
     return pipeline.quantize_model(cfg, console)
 
 

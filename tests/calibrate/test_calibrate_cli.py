@@ -19,11 +19,12 @@ def test_calibrate_then_quantize_with_it(tiny_llama, tmp_path, monkeypatch, caps
     code, out, err = run_cli(monkeypatch, capsys, "calibrate", str(tiny_llama), "--data",
                              f"{DATA / 'kb_calibration.jsonl'}:1", "--num-samples", "4", "--seq-len", "64",
                              "--observer", "percentile", "--eval-data", str(DATA / "kb_mc.jsonl"),
-                             "--eval-data", str(DATA / "kb_gen.jsonl"), "-o", str(calib))
+                             "--eval-data", str(DATA / "kb_gen.jsonl"), "--threads", "1", "-o", str(calib))
     assert code == 0, err
     assert "4 windows" in out
     manifest = json.loads((calib / "manifest.json").read_text())
     assert manifest["settings"]["observer"] == "percentile" and len(manifest["settings"]["eval_data"]) == 2
+    assert manifest["settings"]["threads"] == 1
     code, out, err = run_cli(monkeypatch, capsys, "quantize", str(tiny_llama), "--scheme", "w8a16", "--method",
                              "gptq", "--calib", str(calib), "--kv-cache", "int8", "-o", str(tmp_path / "q"))
     assert code == 0, err
@@ -33,6 +34,7 @@ def test_calibrate_then_quantize_with_it(tiny_llama, tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("args, msg", [
     (["--data", "no/such/file.jsonl"], "could not be loaded"),
     (["--data", "README.md", "--observer", "fancy"], "invalid observer"),
+    (["--data", "README.md", "--threads", "0"], "invalid threads"),
 ])
 def test_calibrate_errors_are_one_line(tiny_llama, tmp_path, monkeypatch, capsys, args, msg):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -20,11 +20,12 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     out = tmp_path / "q"
     r = subprocess.run([sys.executable, "-m", "llmopt", "quantize", str(tiny_llama), "--scheme", "w4a16",
                         "--group-size", "32", "--method", "gptq", "--calib-data", str(KB), "--num-samples", "4",
-                        "--seq-len", "64", "--format", "gptq", "-o", str(out), "--json"],
+                        "--seq-len", "64", "--format", "gptq", "--threads", "1", "-o", str(out), "--json"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["format"] == "gptq" and len(report["modules"]) == 8
+    assert report["settings"]["threads"] == 1  # GPTQ's rounding depends on it: the report says what it ran on
     r = subprocess.run([sys.executable, "-m", "llmopt", "generate", str(out), "-p", "The quick", "--max-tokens",
                         "4", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -62,6 +63,7 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "w4a16", "--lm-head", "auto"], "--lm-head auto lets --scheme auto choose the head"),
     (["--scheme", "w4a16", "--method", "auto"], "--method auto lets --scheme auto choose GPTQ or AWQ"),
     (["--scheme", "w4a16", "--float-dtype", "fp16"], "float_dtype"),
+    (["--scheme", "w4a16", "--threads", "0"], "invalid threads"),
     (["--scheme", "w4a16", "--gate", "kl_div<=0.1"], "--gate applies to --scheme auto"),
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--calib-data", str(KB)], "--gate needs --eval-data"),
     (["--scheme", "auto", "--gate", "kl_div<=0.1", "--target-bits", "5", "--eval-data", str(KB)], "not both"),
@@ -78,6 +80,22 @@ def test_bad_input_is_one_line_exit_2(tiny_llama, tmp_path, monkeypatch, capsys,
     assert code == 2
     assert msg in err and err.strip().count("\n") == 0 and "Traceback" not in err
     assert not out.exists()
+
+
+def test_threads_hold_for_the_run_and_are_put_back(tiny_llama, tmp_path):
+    import torch
+    from rich.console import Console
+
+    from llmopt.quant.pipeline import quantize_model
+    from llmopt.quant.recipe import QuantizeConfig
+
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    cfg = QuantizeConfig(model=str(tiny_llama), scheme="w8a16", threads=want, output=tmp_path / "q", device="cpu")
+    assert quantize_model(cfg, Console(quiet=True)).settings["threads"] == want
+    assert torch.get_num_threads() == before
+    default = quantize_model(cfg.model_copy(update={"threads": None, "output": tmp_path / "d"}), Console(quiet=True))
+    assert default.settings["threads"] == before
 
 
 def test_existing_output_dir_is_refused(tiny_llama, tmp_path, monkeypatch, capsys):
