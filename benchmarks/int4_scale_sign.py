@@ -28,7 +28,8 @@ TEXTS = {"wikitext2": ROOT.parent / "shared/data/wikitext2-valid.txt",
 def positive_scale(g: torch.Tensor) -> torch.Tensor:
     """llmopt's symmetric int4 today (rtn.params_from_range), per group of `g` [rows, groups, size]."""
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
-    return torch.maximum(-lo / 8, hi / 7).clamp(min=1e-12)
+    s = torch.maximum(-lo / 8, hi / 7)
+    return torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: scale 1, as params_from_range
 
 
 def signed_scale(g: torch.Tensor) -> torch.Tensor:

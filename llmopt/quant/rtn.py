@@ -14,15 +14,20 @@ from llmopt.quant.scheme import QuantScheme
 
 
 def _round_scale(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Round scales *up* to the storage dtype now, so codes are chosen against the stored scale
-    and the range still covers [min, max] (no weight errs by more than half a step)."""
+    """Round scales *up* in magnitude to the storage dtype now, so codes are chosen against the stored scale
+    and the range still covers [min, max] (no weight errs by more than half a step); the sign is kept."""
     dt = scheme.torch_scale_dtype
-    scale = scale.float().clamp(min=torch.finfo(dt).tiny)
-    if dt == torch.float32:
-        return scale
-    r = scale.to(dt)
-    up = torch.nextafter(r, torch.full_like(r, float("inf")))
-    return torch.where(r.float() < scale, up, r).float()
+    sign = torch.where(scale < 0, -1.0, 1.0)
+    scale = scale.float().abs().clamp(min=torch.finfo(dt).tiny)
+    if dt != torch.float32:
+        r = scale.to(dt)
+        up = torch.nextafter(r, torch.full_like(r, float("inf")))
+        scale = torch.where(r.float() < scale, up, r).float()
+    return scale * sign
+
+
+# Symmetric schemes whose scale may be negative: int4, where one step of 16 matters (benchmarks/int4_scale_sign.py)
+SIGNED_SCALE_BITS = (4,)
 
 
 def params_from_range(
@@ -30,14 +35,18 @@ def params_from_range(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and integer zero (both float32, any shape) for values in [xmin, xmax].
 
-    Symmetric (zero = 2^(bits-1), signed codes [-2^(bits-1), 2^(bits-1) - 1], e.g. [-8, 7]):
+    Symmetric (zero = 2^(bits-1), signed codes [-2^(bits-1), 2^(bits-1) - 1], e.g. [-128, 127]):
     scale = max(-min / 2^(bits-1), max / (2^(bits-1) - 1)), the smallest step whose code range holds
-    [min, max] whole — a negative extreme lands exactly on -8, a positive one on 7, nothing is clipped.
-    (compressed-tensors / llm-compressor use absmax / 7.5 instead, which always clips a group's
+    [min, max] whole — a negative extreme lands exactly on the lowest code, a positive one on the highest,
+    nothing is clipped. int4 (`SIGNED_SCALE_BITS`), where one step of 16 matters, takes llama.cpp Q4_0's
+    d = extreme / -8 instead, signed: the group's largest-magnitude weight lands on -8 whatever its sign (8
+    steps up to a positive one instead of 7), and a weight on the other side past 7·|d| is clipped to it
+    (measured better than the smaller step of either sign that clips nothing: benchmarks/int4_scale_sign.py,
+    docs/QUANTIZE.md "The sign of the scale"). Readers compute (q - zero)·scale, so neither choice changes a
+    format. (compressed-tensors / llm-compressor use absmax / 7.5 instead, which always clips a group's
     largest-magnitude weight by half a step: a positive one to 7·s = 0.933·absmax, a negative one
     onto the -7.5 rounding tie, i.e. -8 or -7 depending on how the scale rounds; the systematic
-    shrinking of the salient weights costs perplexity, see docs/QUANTIZE.md "Against
-    llm-compressor".) Readers only see (q - zero)·scale, so the choice changes no format.
+    shrinking of the salient weights costs perplexity, see docs/QUANTIZE.md "Against llm-compressor".)
     Asymmetric: the range is widened to include 0, scale = (max - min) / maxq and
     zero = round(-min / scale), kept in [1, maxq] (see qtensor: GPTQ v1 stores zero - 1).
     An all-zero range gets scale 1 so that it dequantizes to exact zeros.
@@ -47,8 +56,12 @@ def params_from_range(
     xmax = torch.maximum(xmax.float(), torch.zeros_like(xmax, dtype=torch.float32))
     if scheme.symmetric:
         half = scheme.sym_zero
-        scale = torch.maximum(-xmin / half, xmax / (half - 1))
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if scheme.bits in SIGNED_SCALE_BITS:  # the signed extreme on the lowest code (Q4_0)
+            negative = -xmin >= xmax
+            scale = torch.where(negative, -xmin, -xmax) / half
+        else:
+            scale = torch.maximum(-xmin / half, xmax / (half - 1))
+        scale = torch.where(scale != 0, scale, torch.ones_like(scale))
         scale = _round_scale(scale, scheme)
         return scale, torch.full_like(scale, scheme.sym_zero)
     span = xmax - xmin

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +127,20 @@ def test_method_auto_measures_both_methods_and_takes_the_better(tiny_llama, tmp_
     assert both.auto["measured_kl"] == pytest.approx(gptq.auto["measured_kl"], rel=1e-6)
 
 
+def _with_salient_channels(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose layer-0 attention input has a few channels 10x the rest, as real models have:
+    AWQ's scale search then scales them (on the plain random model no scaling may beat none, and then there
+    is nothing to fold)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = next(dst.glob("*.safetensors"))
+    tensors = load_file(f)
+    tensors["model.layers.0.input_layernorm.weight"][:4] *= 10
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
 def test_method_auto_quantizes_each_linear_by_its_own_method(tiny_llama, tmp_path, monkeypatch):
     """A plan that gives some linears AWQ and the rest GPTQ (here set by hand on real measurements, to have a
     mix on the tiny model): AWQ's scales fold into the producers of the AWQ linears only, each linear is
@@ -132,6 +148,7 @@ def test_method_auto_quantizes_each_linear_by_its_own_method(tiny_llama, tmp_pat
     from llmopt.quant.auto import AutoPlan
     from llmopt.quant.pipeline import quantize_model
 
+    tiny_llama = _with_salient_channels(tiny_llama, tmp_path / "src")
     opts = {"scheme": "auto", "target_bits": 4.5, "candidates": ["w4a16-g32", "w8a16"], "method": "auto",
             "device": "cpu", "forward_dtype": "float32", **calib_options()}
     plan = AutoPlan(4.5, {}, {})

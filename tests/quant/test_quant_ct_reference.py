@@ -5,7 +5,8 @@ groups and channels.
 * asymmetric: our (scale, zero) are exactly `calculate_qparams`'s (zero shifted by 2^(bits-1): we keep
   unsigned codes), for every range that includes 0 on both sides;
 * symmetric: deliberately not `calculate_qparams` (absmax / 7.5, which always clips a group's extreme
-  by half a step): ours is the smallest scale with which the library's own `quantize` clips nothing;
+  by half a step): int8's is the smallest scale with which the library's own `quantize` clips nothing;
+  int4's is Q4_0's signed extreme / -8, on which the library's `quantize` puts the extreme at -8 exactly;
 * codes and dequantized weights of RTN, GPTQ and AWQ are exactly what the library's `quantize` /
   `fake_quantize` produce with our parameters (so checkpoint readers see what we optimized).
 """
@@ -73,7 +74,7 @@ def test_asymmetric_scale_and_zero_equal_calculate_qparams(bits, group_size):
     assert torch.equal(_ct_zero(ours_z, scheme)[keep], ct_z[keep])
 
 
-@pytest.mark.parametrize(("bits", "group_size"), CASES, ids=IDS)
+@pytest.mark.parametrize(("bits", "group_size"), CASES[2:], ids=IDS[2:])
 def test_symmetric_scale_is_the_smallest_that_clips_nothing(bits, group_size):
     w = _weights()
     scheme = QuantScheme(bits=bits, group_size=group_size, symmetric=True, scale_dtype="float32")
@@ -103,6 +104,30 @@ def test_symmetric_scale_is_the_smallest_that_clips_nothing(bits, group_size):
     assert torch.allclose(ct_s, torch.maximum(-lo, hi) / ((2**bits - 1) / 2))
     pos = hi >= -lo  # a positive extreme is clamped to (half - 1) * s: exactly half a step short
     assert torch.allclose(worst_error_in_steps(ct_s)[pos], torch.full_like(ct_s[pos], 0.5), atol=1e-4)
+
+
+@pytest.mark.parametrize("group_size", [64, -1], ids=["g64", "channel"])
+def test_int4_symmetric_scale_puts_the_signed_extreme_on_minus_8(group_size):
+    """Q4_0's rule: scale = extreme / -8, signed, so the group's largest-magnitude weight is exact at code -8
+    whichever its sign (8 steps up to a positive one where a positive scale gives 7); a weight on the other
+    side past 7 steps is clipped to the last code, within one step."""
+    w = _weights()
+    scheme = QuantScheme(bits=4, group_size=group_size, symmetric=True, scale_dtype="float32")
+    args = _args(4, group_size, symmetric=True)
+    lo, hi = _ranges(w, scheme)
+    ours, _ = params_from_range(lo, hi, scheme)
+    extreme = torch.where(-lo >= hi, lo, hi)
+    assert torch.equal(ours, extreme / -8)
+    assert bool((ours < 0).any() and (ours > 0).any())
+    zp = torch.zeros_like(ours, dtype=torch.int8)
+    gs = scheme.effective_group_size(w.shape[1])
+    codes = quantize(w, ours, zp, args).reshape(w.shape[0], -1, gs)
+    deq = fake_quantize(w, ours, zp, args).reshape(w.shape[0], -1, gs)
+    at_extreme = w.reshape(w.shape[0], -1, gs) == extreme[..., None]
+    assert bool((codes[at_extreme] == -8).all()) and torch.equal(deq[at_extreme], w.reshape(deq.shape)[at_extreme])
+    err = (deq - w.reshape(deq.shape)).abs() / ours.abs()[..., None]
+    clipped = w.reshape(deq.shape) / ours[..., None] > 7.5  # the other side, past the last code
+    assert bool((err[~clipped] <= 0.5 + 1e-5).all()) and bool((err <= 1 + 1e-5).all())
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
