@@ -15,7 +15,7 @@ from llmopt.quant.scheme import QuantScheme
 
 def _round_scale(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Round scales *up* in magnitude to the storage dtype now, so codes are chosen against the stored scale
-    and the range still covers [min, max] (no weight errs by more than half a step); the sign is kept."""
+    and the extreme that set it stays on its code (the range is not cut short); the sign is kept."""
     dt = scheme.torch_scale_dtype
     sign = torch.where(scale < 0, -1.0, 1.0)
     scale = scale.float().abs().clamp(min=torch.finfo(dt).tiny)
@@ -57,8 +57,8 @@ def params_from_range(
     if scheme.symmetric:
         half = scheme.sym_zero
         if scheme.bits in SIGNED_SCALE_BITS:  # the signed extreme on the lowest code (Q4_0)
-            negative = -xmin >= xmax
-            scale = torch.where(negative, -xmin, -xmax) / half
+            extreme_negative = -xmin >= xmax
+            scale = torch.where(extreme_negative, -xmin, -xmax) / half
         else:
             scale = torch.maximum(-xmin / half, xmax / (half - 1))
         scale = torch.where(scale != 0, scale, torch.ones_like(scale))
