@@ -231,38 +231,47 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Two panels over checkpoint MB: wikitext-2 perplexity increase, and KL to the unquantized model on the same
+    tokens (points scored before KL was measured are left out of that panel). KL is the steadier ranking of
+    4-bit points of similar damage (docs/QUANTIZE.md, "The sign of the scale")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     base = result["base"]["ppl"]["wikitext2"]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    series: dict[str, list[tuple[float, float, str]]] = {}
-    for r in result["points"].values():
-        label = r["label"]
-        fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llmopt, int8 head" if label.endswith("int8 head")
-               else "llmopt auto" if label.startswith("auto") else f"llmopt {label.split()[-1]}"
-               if label.startswith("W4A16") else "llmopt W8A16")
-        series.setdefault(fam, []).append((r["bytes"] / 1e6, max(100 * (r["ppl"]["wikitext2"] / base - 1), 0.01),
-                                           r["label"]))
+    panels = [("wikitext-2 perplexity increase over fp32 (%, log; 0.01 at the least)",
+               lambda r: max(100 * (r["ppl"]["wikitext2"] / base - 1), 0.01)),
+              ("wikitext-2 KL(fp32 || point) per token (nats, log; 1e-4 at the least)",
+               lambda r: max(r["kl"]["wikitext2"], 1e-4) if r.get("kl") else None)]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     markers = {"llama.cpp (imatrix)": "s", "llmopt auto": "*", "llmopt, int8 head": "D"}
-    for fam, pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(fam, "o"), linestyle="-" if fam.startswith("llama.cpp") else "",
-                label=fam, markersize=10 if fam in markers else 6)
-        for x, y, label in pts:
-            short = label.replace(" + int8 head", "").replace(" bits ", "b ").replace("W4A16 ", "").replace("llama.cpp ", "")
-            ax.annotate(short, (x, y), fontsize=6,
-                        textcoords="offset points", xytext=(3, 3))
-    ax.set_yscale("log")
-    ax.set_xlabel("checkpoint MB (every tensor: embedding and head included)")
-    ax.set_ylabel("wikitext-2 perplexity increase over fp32 (%, log; 0.01 at the least)")
-    ax.set_title(f"{result['model']}: size against held-out quality ({result['tokens']} tokens, our engine, fp32)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, (ylabel, value) in zip(axes, panels, strict=True):
+        series: dict[str, list[tuple[float, float, str]]] = {}
+        for r in result["points"].values():
+            label, y = r["label"], value(r)
+            if y is None:
+                continue
+            fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llmopt, int8 head" if label.endswith("int8 head")
+                   else "llmopt auto" if label.startswith("auto") else f"llmopt {label.split()[-1]}"
+                   if label.startswith("W4A16") else "llmopt W8A16")
+            series.setdefault(fam, []).append((r["bytes"] / 1e6, y, label))
+        for fam, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(fam, "o"),
+                    linestyle="-" if fam.startswith("llama.cpp") else "", label=fam,
+                    markersize=10 if fam in markers else 6)
+            for x, y, label in pts:
+                short = label.replace(" + int8 head", "").replace(" bits ", "b ").replace("W4A16 ", "").replace("llama.cpp ", "")
+                ax.annotate(short, (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+        ax.set_yscale("log")
+        ax.set_xlabel("checkpoint MB (every tensor: embedding and head included)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']}: size against held-out quality ({result['tokens']} tokens, our engine, fp32)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
