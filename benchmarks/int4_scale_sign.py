@@ -1,7 +1,8 @@
-"""Why llama.cpp's Q4_0 beats our symmetric int4 g32 in the same 4.5 bits (issue #32): the sign of the scale.
+"""Why llama.cpp's Q4_0 beat our symmetric int4 g32 in the same 4.5 bits (issue #32): the sign of the scale.
 
-Our symmetric int4 groups map the weight range onto the codes [-8, 7] with a positive scale, max(-min/8, max/7):
-a group whose largest-magnitude weight is positive gets only 7 steps up to it. llama.cpp's Q4_0 takes
+Our symmetric int4 groups mapped the weight range onto the codes [-8, 7] with a positive scale, max(-min/8, max/7)
+(until session 25; `rtn.params_from_range` now takes Q4_0's rule below): a group whose largest-magnitude weight
+is positive got only 7 steps up to it. llama.cpp's Q4_0 takes
 d = (the signed extreme) / -8, negative for such a group, so the extreme always lands on code -8 and every group
 gets 8 steps of |d| = |extreme| / 8 (and a weight on the other side past 7·|d| is clipped to it). A third way
 takes the smaller step of the two signs that clips nothing. This fake-quantizes every decoder linear of SmolLM2 each way by plain round
@@ -26,14 +27,15 @@ TEXTS = {"wikitext2": ROOT.parent / "shared/data/wikitext2-valid.txt",
 
 
 def positive_scale(g: torch.Tensor) -> torch.Tensor:
-    """llmopt's symmetric int4 today (rtn.params_from_range), per group of `g` [rows, groups, size]."""
+    """llmopt's symmetric int4 before session 25, per group of `g` [rows, groups, size]."""
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
     s = torch.maximum(-lo / 8, hi / 7)
     return torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: scale 1, as params_from_range
 
 
 def signed_scale(g: torch.Tensor) -> torch.Tensor:
-    """Q4_0's: the signed extreme on code -8."""
+    """Q4_0's: the signed extreme on code -8 (rtn.params_from_range's int4 rule now, which rounds the scale up
+    to fp16 where this rounds it to nearest, and sends a tie between the two sides to the negative one)."""
     extreme = g.gather(-1, g.abs().argmax(-1, keepdim=True))
     return torch.where(extreme == 0, torch.ones_like(extreme), extreme / -8)
 
@@ -73,7 +75,7 @@ def main() -> None:
     path = weights_dir(resolve_model(args.model))
     tok = AutoTokenizer.from_pretrained(path)
     ids = {n: tok(p.read_text(encoding="utf-8")[: 50 * args.tokens])["input_ids"][: args.tokens] for n, p in TEXTS.items()}
-    for name, fq in (("positive scale (llmopt)", positive_scale), ("signed scale (Q4_0)", signed_scale),
+    for name, fq in (("positive scale (llmopt before)", positive_scale), ("signed scale (Q4_0, llmopt now)", signed_scale),
                      ("either sign, no clipping", either_sign)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
