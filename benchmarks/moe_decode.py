@@ -1,16 +1,22 @@
-"""MoE routing cost, measured side by side in one run: decode tokens/s of a small random Qwen3-MoE
-through our engine — tokens grouped by expert, then either `grouped_mm` over the packed expert weights
-(the default while experts are float) or one matmul per expert that got tokens (the path quantized
-experts take) — and through transformers' `generate` (transformers 5 runs its experts through
-`grouped_mm` too), at batch 1 and batch 32. Each number is the best of `--repeats` runs.
+"""MoE decode speed, measured side by side in one run: decode tokens/s of a random Qwen3-MoE through our engine
+in up to three ways, and through transformers' `generate` (which runs its experts through `grouped_mm`), at each
+batch size. Each number is the best of `--repeats` runs.
 
-    OMP_NUM_THREADS=1 python benchmarks/moe_decode.py [--batches 1,32] [--dtype float32] [--json out.json]
+    OMP_NUM_THREADS=2 python benchmarks/moe_decode.py [--dtype bfloat16] [--batches 1,8,32] [--json out.json]
+
+Our variants (`--variants`):
+- `step`: the engine as it runs by default. bf16 on a CPU with AVX512-BF16: each sparse block is one C call
+  (`llmopt/layers/moe_block.c`) and decode steps run as one native call (`llmopt/step/`); fp32: the block's
+  `grouped_mm` path, layer by layer.
+- `eager`: `decode_step="eager"`, layer by layer (bf16: the same C block, called from Python per layer).
+- `torch`: a no-op hook on every router, which sends each block to its torch path (bf16: one packed matmul per
+  expert that got tokens; fp32: `grouped_mm`) and keeps the decode step from lowering the model.
 
 The checkpoint is written by transformers itself (`llmopt.testing.tiny_model.write_tiny_moe`). Both
 sides decode the same equal-length random prompts greedily for `--new-tokens` tokens (no EOS stop).
 Decode time: ours from the request metrics (first token → last token); transformers' as the time of
 `generate(max_new_tokens=N)` minus that of `generate(max_new_tokens=1)` (prefill + first token).
-With `--check` the greedy tokens of both sides are compared (fp32 only: bf16 near-ties may flip).
+With `--check` the greedy tokens of every variant are compared (fp32 only: bf16 near-ties may flip).
 """
 
 from __future__ import annotations
@@ -27,15 +33,21 @@ from llmopt import LLM, SamplingParams
 from llmopt.testing.tiny_model import write_tiny_moe
 
 
-def ours(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, loop: bool,
+def ours(model_dir: str, prompts: list[list[int]], new_tokens: int, dtype: str, variant: str,
          repeats: int) -> tuple[float, list[list[int]]]:
     from llmopt.layers.moe import SparseMoeBlock
 
-    llm = LLM(model_dir, dtype=dtype, device="cpu", max_num_seqs=max(len(prompts), 1), enable_prefix_caching=False)
-    if loop:  # the per-expert loop that quantized experts take
+    llm = LLM(model_dir, dtype=dtype, device="cpu", max_num_seqs=max(len(prompts), 1), enable_prefix_caching=False,
+              decode_step="eager" if variant == "eager" else "native")
+    if variant == "torch":  # a hook on each router: the block's torch path, and no decode step
         for m in llm.engine.model.modules():
             if isinstance(m, SparseMoeBlock):
-                m._grouped_broken = True
+                m.gate.register_forward_pre_hook(lambda mod, args: None)
+        runner = llm.engine.runner
+        if runner.decode_step is not None:
+            from llmopt.step import DecodeStep
+
+            runner.decode_step = DecodeStep.build(llm.engine.model, runner.cache, runner.attn_backend)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     best = 0.0
@@ -77,6 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--variants", default="step,eager,torch", help="ours, in this order (module doc)")
+    ap.add_argument("--no-transformers", action="store_true", help="leave transformers out")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)
@@ -88,6 +102,9 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="compare greedy tokens (fp32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if not set(variants) <= {"step", "eager", "torch"}:
+        raise SystemExit(f"--variants: step, eager or torch, not {args.variants!r}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_moe(tmp, model_type="qwen3_moe", num_layers=args.layers, hidden_size=args.hidden,
                                        num_heads=8, num_kv_heads=4, num_experts=args.experts, top_k=args.top_k,
@@ -97,14 +114,20 @@ def main() -> None:
         rows = []
         for b in (int(v) for v in args.batches.split(",")):
             prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(b)]
-            our_tps, our_ids = ours(model_dir, prompts, args.new_tokens, args.dtype, False, args.repeats)
-            loop_tps, loop_ids = ours(model_dir, prompts, args.new_tokens, args.dtype, True, args.repeats)
-            hf_tps, hf_ids = transformers_decode(model_dir, prompts, args.new_tokens, args.dtype, args.repeats)
-            row = {"batch": b, "llmopt_grouped_mm_tok_s": round(our_tps, 1), "llmopt_loop_tok_s": round(loop_tps, 1),
-                   "transformers_tok_s": round(hf_tps, 1), "speedup_grouped_mm": round(our_tps / hf_tps, 2),
-                   "speedup_loop": round(loop_tps / hf_tps, 2)}
+            row: dict = {"batch": b}
+            ids = []
+            for v in variants:
+                tps, got = ours(model_dir, prompts, args.new_tokens, args.dtype, v, args.repeats)
+                row[f"llmopt_{v}_tok_s"] = round(tps, 1)
+                ids.append(got)
+            if not args.no_transformers:
+                hf_tps, hf_ids = transformers_decode(model_dir, prompts, args.new_tokens, args.dtype, args.repeats)
+                row["transformers_tok_s"] = round(hf_tps, 1)
+                for v in variants:
+                    row[f"{v}_vs_transformers"] = round(row[f"llmopt_{v}_tok_s"] / hf_tps, 2)
+                ids.append(hf_ids)
             if args.check:
-                row["same_tokens"] = our_ids == hf_ids == loop_ids
+                row["same_tokens"] = all(i == ids[0] for i in ids)
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"model": f"random Qwen3-MoE: hidden {args.hidden}, {args.layers} layers, {args.experts} experts of "

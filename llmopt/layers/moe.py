@@ -1,8 +1,10 @@
 """A sparse Mixture-of-Experts MLP block (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert).
 
-Routing follows the Hugging Face reference. While every expert is a plain float Linear pair, their weights
-live in two stacked [experts, out, in] tensors (which the Linears view) and run as two `grouped_mm` calls;
-otherwise (quantized experts, hooks) one matmul per expert over its routed tokens. `calibrate_all` experts
+Routing follows the Hugging Face reference. Three paths, the first that takes the block runs: where every
+projection runs on our CPU kernels (bf16 packed, W8A16 or W4A16 on a CPU with AVX512-BF16, no hooks), the whole
+block is one C call (`moe_native.py`), which the decode step calls as well; while every expert is a plain float
+Linear pair (fp32, CUDA), their weights live in two stacked [experts, out, in] tensors (which the Linears view)
+and run as two `grouped_mm` calls; otherwise one matmul per expert over its routed tokens. `calibrate_all` experts
 (empty in serving) also see every token, for calibration statistics, without changing the block output.
 """
 
@@ -16,6 +18,7 @@ from llmopt.layers import kernels
 from llmopt.layers.activation import silu_and_mul
 from llmopt.layers.kernels import Ops
 from llmopt.layers.linear import FusedLinear
+from llmopt.layers.moe_native import NativeMoe, native_moe
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -35,6 +38,8 @@ class ExpertMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    decode_lowering = "sparse_moe"  # how llmopt.step lowers it (read off this class only, not subclasses)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool, shared_expert_intermediate_size: int, dtype, device):
         super().__init__()
@@ -52,6 +57,26 @@ class SparseMoeBlock(nn.Module):
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, H], down [E, H, I])
         self._pack_state: tuple = ()
         self._grouped_broken = _GROUPED_MM is None
+        self._native: NativeMoe | str = ""  # the C block's spec, or why there is none (see `native`)
+        self._native_key: tuple = ()
+
+    def native_modules(self) -> tuple[nn.Module, ...]:
+        """The projections the C block reads, in its order: router, each expert's gate|up and down, then the
+        shared expert's gate|up, down and gate."""
+        mods = [self.gate, *(m for e in self.experts for m in (e.gate_up_proj, e.down_proj))]
+        if self.shared_expert is not None:
+            mods += [self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate]
+        return tuple(mods)
+
+    def native(self) -> NativeMoe | str:
+        """The C block's spec, or why the block does not run there; read again when a projection was swapped
+        or a hook added or removed (the spec keeps the tensors it points into alive)."""
+        mods = self.native_modules()
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+        if self._native_key != (mods, hooked):
+            self._native = "a projection has hooks" if hooked else native_moe(self, mods, gelu=False)
+            self._native_key = (mods, hooked)
+        return self._native
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -131,6 +156,10 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, ops: Ops = Ops.EAGER) -> torch.Tensor:
+        if (not self.calibrate_all and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+                and isinstance(native := self.native(), NativeMoe)):
+            out, self.last_counts = native(x.contiguous())
+            return out
         weights, experts = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) slots grouped by expert

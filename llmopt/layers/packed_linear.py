@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import llmopt.native as native
+from llmopt.layers.kernel_linear import KernelLinear
 from llmopt.layers.linear import FusedLinear, set_submodule
-from llmopt.layers.moe import SparseMoeBlock
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,13 @@ class PackedLinear(nn.Module):
             return self.kernel(x2, self.packed, self.bias, self.out_features).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def kernel_linear(self) -> KernelLinear | None:
+        k = self.kernel
+        if k is None:
+            return None
+        amx = k.amx_min_rows[torch.bfloat16] if k.uses_amx(1 << 30, self.in_features, torch.bfloat16) else -1
+        return KernelLinear("bf16", self.packed, self.in_features, self.out_features, bias=self.bias, amx_min_rows=amx)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.weight
@@ -187,13 +194,11 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, under: str | None = None) -> int:
     """Swap every plain dense bf16/fp16 CPU Linear of `model` (or of its module `under`, the loader packing one
-    layer at a time) for a PackedLinear; returns how many. Quantized modules, linears with hooks and MoE experts
-    (the grouped path stacks their plain weights) are kept."""
-    experts = [name for name, mod in model.named_modules() if isinstance(mod, SparseMoeBlock)]
+    layer at a time) for a PackedLinear; returns how many. Quantized modules and linears with hooks are kept. MoE
+    experts are packed too: their block then runs them in C (`moe_native.py`) instead of torch's grouped_mm."""
     names = [name for name, mod in model.named_modules()
              if type(mod) in (nn.Linear, FusedLinear) and not mod._forward_hooks and not mod._forward_pre_hooks
              and not mod.weight.is_meta and packing_supported(mod.weight.dtype, mod.weight.device)
-             and not any(name.startswith(p + ".") for p in experts)
              and (under is None or name == under or name.startswith(under + "."))]
     for i, name in enumerate(names):  # by name, so each plain weight is freed once its packed copy is in
         try:

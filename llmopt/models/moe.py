@@ -29,6 +29,8 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
+    decode_lowering = "llama"  # the llama layer; its sparse MLP lowers as one MoE op (llmopt.step)
+
     def make_mlp(self, spec: ModelSpec, layer_idx: int, dtype, device) -> nn.Module:
         if not spec.is_moe_layer(layer_idx):
             return super().make_mlp(spec, layer_idx, dtype, device)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.errors import LlmoptError
+from llmopt.layers.kernel_linear import KernelLinear
 from llmopt.quant import int8_kernel
 from llmopt.quant.fp8 import FP8_E4M3_MAX
 from llmopt.quant.packing import pack_int32, unpack_int32
@@ -231,14 +232,16 @@ class Int4WeightOnlyLinear(_QuantLinear):
         self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
         self.kernel_group_size = gs
         self._vnni = kernel
+        # the kernel adds the bias before its one rounding to bf16 (as in the decode step, which reads this)
+        self.kernel_bias = None if self.bias is None else self.bias.to(torch.bfloat16).contiguous()
         self.mode = "cpu-vnni-int4"
         return True
 
-    def _forward_kernel(self, x2: torch.Tensor) -> torch.Tensor:
+    def _forward_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if self.mode == "cpu-vnni-int4":
-            return self._vnni.int4(x2.contiguous(), self.packed, self.gscale, self.kernel_group_size, None,
+            return self._vnni.int4(x2.contiguous(), self.packed, self.gscale, self.kernel_group_size, bias,
                                    self.out_features)
         if self._device_type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -270,11 +273,20 @@ class Int4WeightOnlyLinear(_QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = self._prepare(x)
+        if self.mode == "cpu-vnni-int4":
+            y = self._forward_kernel(x2, self.kernel_bias)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if self.mode == "dequant":
             y = F.linear(x2, self._dequant_fallback(self.compute_dtype))
         else:
             y = self._forward_kernel(x2)
         return self._finish(y, x)
+
+    def kernel_linear(self) -> KernelLinear | None:
+        if self.mode != "cpu-vnni-int4":
+            return None
+        return KernelLinear("int4", self.packed, self.in_features, self.out_features, scale=self.gscale,
+                            bias=self.kernel_bias, group=self.kernel_group_size, perm=self.perm)
 
 
 class Int8WeightOnlyLinear(_QuantLinear):

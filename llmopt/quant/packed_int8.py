@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmopt.layers.kernel_linear import KernelLinear
 from llmopt.layers.linear import set_submodule
 from llmopt.layers.packed_linear import Bf16LinearKernel, pack_vnni, unpack_vnni, vnni_kernel
 from llmopt.quant.linear import Int8WeightOnlyLinear
@@ -52,6 +53,12 @@ class PackedInt8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = self.kernel(x2, self.packed, self.bias, self.out_features, self.scales)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def kernel_linear(self) -> KernelLinear:
+        k = self.kernel
+        amx = k.amx_min_rows[torch.int8] if k.uses_amx(1 << 30, self.in_features, torch.int8) else -1
+        return KernelLinear("int8", self.packed, self.in_features, self.out_features, scale=self.scales,
+                            bias=self.bias, amx_min_rows=amx)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight

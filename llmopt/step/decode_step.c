@@ -31,13 +31,16 @@ typedef int (*attend_fn)(const uint16_t *, const void *, const void *, const flo
 typedef int (*kv_quantize_fn)(const uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *, int,
                               const float *, void *, float *, int64_t);
 
-typedef struct {  // the kernels, from native_ops.c, bf16_linear.c and paged_decode.c
-    void *norm, *rotary, *act, *linear, *linear_amx, *linear_int4, *attend, *kv_quantize;
+typedef int (*moe_fn)(const void *, const uint16_t *, int64_t, uint16_t *, int64_t *, int);
+
+typedef struct {  // the kernels, from native_ops.c, bf16_linear.c, paged_decode.c and moe_block.c (moe: NULL where
+                  // it cannot be built; then no program holds a MOE op)
+    void *norm, *rotary, *act, *linear, *linear_amx, *linear_int4, *attend, *kv_quantize, *moe;
 } kernels_t;
 
 enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTARY = 4, OP_KV_WRITE = 5,
-       OP_ATTEND = 6, OP_ACT = 7, OP_COPY_COLS = 8 };
-#define NUM_OP_KINDS 9
+       OP_ATTEND = 6, OP_ACT = 7, OP_COPY_COLS = 8, OP_MOE = 9 };
+#define NUM_OP_KINDS 10
 
 // One op. `a` and `b` are row-major [rows, width] buffers (bf16 unless said); widths and strides in elements.
 //   NORM       out = norm(a) over rows of n[1], a's rows n[0] apart; with b: a + b is rounded, written to b
@@ -57,6 +60,8 @@ enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTA
 //   ACT        out [rows, n[0]] = act(gate) * up over a [rows, 2 * n[0]]; i[0] 1: GELU-tanh, 0: SiLU.
 //   COPY_COLS  out[t][n[2] + j] = a[t][j] for j < n[0], out's rows n[1] wide (a part of a fused projection
 //              into its columns: a ConcatLinear's parts run one by one, as torch.cat joins them).
+//   MOE        out [rows, hidden] = the sparse MoE block p[0] (moe_block.c's moe_t) over a [rows, hidden]; its
+//              tokens per expert into p[1] (int64, or NULL).
 typedef struct {
     int32_t kind, i[3];
     int64_t n[6];
@@ -156,6 +161,8 @@ static int run_op(const kernels_t *k, const op_t *o, const step_t *s) {
     case OP_COPY_COLS:
         for (int64_t t = 0; t < T; t++) memcpy(o->out + t * o->n[1] + o->n[2], o->a + t * o->n[0], (size_t)o->n[0] * 2);
         return 0;
+    case OP_MOE:
+        return k->moe ? ((moe_fn)k->moe)(o->p[0], o->a, T, o->out, (int64_t *)o->p[1], nt) : 10;
     default:
         return 9;
     }

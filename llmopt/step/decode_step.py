@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import llmopt.native as native
-from llmopt.layers import kernels, native_ops
+from llmopt.layers import kernels, moe_native, native_ops
 from llmopt.layers.attention import HeadMajorBackend, HeadMajorMetadata
 from llmopt.layers.attention.paged_decode_kernel import load as load_attention
 from llmopt.layers.kernels import Ops
@@ -39,7 +39,7 @@ DG_FIELDS = 2 + 3 * MAX_KV_GROUPS
 
 class Kernels(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("norm", "rotary", "act", "linear", "linear_amx", "linear_int4", "attend",
-                                               "kv_quantize")]
+                                               "kv_quantize", "moe")]
 
 
 class Step(ctypes.Structure):
@@ -67,12 +67,13 @@ class StepLibrary:
 
 
 def _kernels() -> Kernels | None:
-    """The kernels' addresses, or None where one of them cannot run here."""
-    ops, linear, attend = native_ops.load(), vnni_kernel(), load_attention()
+    """The kernels' addresses, or None where one of them cannot run here (the MoE block's may be missing:
+    then a MoE model is not lowered)."""
+    ops, linear, attend, moe = native_ops.load(), vnni_kernel(), load_attention(), moe_native.load()
     if ops is None or linear is None or attend is None:
         return None
     return Kernels(**ops.addresses(), **linear.addresses(), attend=attend.address(),
-                   kv_quantize=attend.quantize_address())
+                   kv_quantize=attend.quantize_address(), moe=moe.address() if moe is not None else None)
 
 
 class DecodeStep:

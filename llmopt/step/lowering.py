@@ -9,46 +9,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from llmopt.layers.attention import PagedAttention
+from llmopt.layers.kernel_linear import KernelLinear, kernel_linear
 from llmopt.layers.norm import OffsetRMSNorm, RMSNorm
-from llmopt.layers.packed_linear import PackedLinear
 from llmopt.models.base import CausalLM
-from llmopt.quant.linear import Int4WeightOnlyLinear
-from llmopt.quant.packed_int8 import PackedInt8Linear
 from llmopt.quant.rows import ConcatLinear
-from llmopt.step.program import Buffer, LinearWeights, Program
+from llmopt.step.program import Buffer, Program
 
 
 class NotLowered(Exception):
     """What the step does not take, in a few words (the engine logs it once and runs eagerly)."""
 
 
-def linear_weights(mod: nn.Module) -> LinearWeights | list[LinearWeights]:
+def linear_weights(mod: nn.Module) -> KernelLinear | list[KernelLinear]:
     """The kernel inputs of a projection that runs on one of our CPU kernels (a list: a ConcatLinear's parts)."""
-    if mod._forward_hooks or mod._forward_pre_hooks:
-        raise NotLowered("a projection has hooks")
-    if type(mod) is ConcatLinear:
+    if type(mod) is ConcatLinear and not (mod._forward_hooks or mod._forward_pre_hooks):
         parts = [linear_weights(p) for p in mod.parts]
         if any(isinstance(p, list) for p in parts):
             raise NotLowered("a ConcatLinear of ConcatLinears")
         return parts  # type: ignore[return-value]
-    if type(mod) is PackedLinear and mod.kernel is not None:
-        k = mod.kernel
-        amx = k.amx_min_rows[torch.bfloat16] if k.uses_amx(1 << 30, mod.in_features, torch.bfloat16) else -1
-        return LinearWeights("bf16", mod.packed, mod.in_features, mod.out_features, bias=mod.bias,
-                             amx_min_rows=amx)
-    if type(mod) is PackedInt8Linear:
-        k = mod.kernel
-        amx = k.amx_min_rows[torch.int8] if k.uses_amx(1 << 30, mod.in_features, torch.int8) else -1
-        return LinearWeights("int8", mod.packed, mod.in_features, mod.out_features, scale=mod.scales,
-                             bias=mod.bias, amx_min_rows=amx)
-    if type(mod) is Int4WeightOnlyLinear and mod.mode == "cpu-vnni-int4" and mod.bias is None:
-        return LinearWeights("int4", mod.packed, mod.in_features, mod.out_features, scale=mod.gscale,
-                             group=mod.kernel_group_size, perm=mod.perm)
-    raise NotLowered(f"{type(mod).__name__} has no decode-step kernel")
+    k = kernel_linear(mod)
+    if isinstance(k, str):
+        raise NotLowered(k)
+    return k
 
 
 def _norm(prog: Program, norm: nn.Module, x: Buffer, out: Buffer, residual: Buffer | None = None) -> None:
@@ -86,6 +71,14 @@ def lowering_name(mod: nn.Module) -> str | None:
 
 
 def _mlp(prog: Program, mlp: nn.Module, x: Buffer, out: Buffer) -> None:
+    if lowering_name(mlp) == "sparse_moe":
+        if mlp._forward_hooks or mlp._forward_pre_hooks or mlp.calibrate_all:
+            raise NotLowered("a MoE block with hooks")
+        native = mlp.native()
+        if isinstance(native, str):
+            raise NotLowered(f"MoE block: {native}")
+        prog.moe(x, native, out)
+        return
     if lowering_name(mlp) != "gated_mlp":
         raise NotLowered(f"{type(mlp).__name__} MLP")
     gelu = {"silu_and_mul": False, "gelu_tanh_and_mul": True}.get(mlp.act.__name__)

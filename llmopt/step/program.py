@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt.layers.attention.paged_decode_kernel import CODES
+from llmopt.layers.kernel_linear import KernelLinear
+from llmopt.layers.moe_native import NativeMoe
 
 # decode_step.c's enum
-OP_NORM, OP_HEAD_NORM, OP_LINEAR, OP_GATHER_COLS, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_ACT, OP_COPY_COLS = range(9)
-OP_NAMES = ("norm", "head_norm", "linear", "gather_cols", "rotary", "kv_write", "attend", "act", "copy_cols")
-STORAGE = {"bf16": 0, "int8": 1, "int4": 2}
+OP_NORM, OP_HEAD_NORM, OP_LINEAR, OP_GATHER_COLS, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_ACT, OP_COPY_COLS, OP_MOE = range(10)
+OP_NAMES = ("norm", "head_norm", "linear", "gather_cols", "rotary", "kv_write", "attend", "act", "copy_cols", "moe")
 
 
 class Op(ctypes.Structure):
@@ -50,27 +51,13 @@ class Buffer:
 
 
 @dataclass
-class LinearWeights:
-    """One projection as the kernels take it (lowering.py reads it off the module)."""
-
-    storage: str  # bf16 | int8 | int4
-    packed: torch.Tensor
-    in_features: int
-    out_features: int
-    scale: torch.Tensor | None = None  # int8: per output; int4: per group and output
-    bias: torch.Tensor | None = None
-    group: int = 0  # int4
-    perm: torch.Tensor | None = None  # int4 act-order: x's columns in the kernel's order (int32)
-    amx_min_rows: int = -1  # rows from which the AMX kernel runs the call (-1: never)
-
-
-@dataclass
 class Program:
     """Ops over activation buffers of `rows` rows (`tensors` keeps every pointer the ops hold alive)."""
 
     rows: int
     ops: list[Op] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    keep: list[object] = field(default_factory=list)  # other objects the ops point into (MoE specs)
     _buffers: dict[str, Buffer] = field(default_factory=dict)
 
     def buffer(self, name: str, width: int) -> Buffer:
@@ -102,7 +89,7 @@ class Program:
         self._op(OP_HEAD_NORM, Buffer(x.tensor), Buffer(out.tensor), i=(int(offset),),
                  n=(x.width, head_dim, x.offset, out.width, out.offset, heads), f=(eps,), p=(weight,))
 
-    def linear(self, x: Buffer, w: LinearWeights | list[LinearWeights], out: Buffer) -> None:
+    def linear(self, x: Buffer, w: KernelLinear | list[KernelLinear], out: Buffer) -> None:
         """out = x @ W^T; a list: the parts of a fused projection (a ConcatLinear), each into its columns."""
         if isinstance(w, list):
             col = 0
@@ -116,7 +103,7 @@ class Program:
             gathered = self.buffer(f"gathered{w.in_features}", w.in_features)
             self._op(OP_GATHER_COLS, x, gathered, n=(w.in_features,), p=(w.perm,))
             x = gathered
-        self._op(OP_LINEAR, x, out, i=(STORAGE[w.storage],),
+        self._op(OP_LINEAR, x, out, i=(w.code,),
                  n=(w.in_features, w.out_features, w.group, w.amx_min_rows), p=(w.packed, w.scale, w.bias))
 
     def rotary(self, x: Buffer, heads: int, head_dim: int, rope_set: int, out: Buffer) -> None:
@@ -146,6 +133,13 @@ class Program:
 
     def act(self, x: Buffer, intermediate: int, gelu: bool, out: Buffer) -> None:
         self._op(OP_ACT, x, out, i=(int(gelu),), n=(intermediate,))
+
+    def moe(self, x: Buffer, block: NativeMoe, out: Buffer) -> None:
+        """out = the sparse MoE block `block` (its C spec) over x; the spec stays alive with the program. The
+        step leaves the block's `last_counts` as they were (no tokens-per-expert output)."""
+        self.keep.append(block)
+        self._op(OP_MOE, x, out)
+        self.ops[-1].p[0] = block.address
 
     def array(self, start: int = 0, end: int | None = None) -> ctypes.Array:
         ops = self.ops[start:end]

@@ -176,13 +176,16 @@ def test_pack_linears_swaps_only_plain_low_precision_linears():
 
 
 @needs_packing
-def test_pack_linears_leaves_moe_experts_to_their_grouped_path(tmp_path):
+def test_pack_linears_packs_moe_experts_for_the_c_block(tmp_path):
+    """Experts, routers and the shared expert are packed; with the VNNI kernel the block runs as one C call
+    (moe_native.py), which needs every projection on a kernel."""
     llm = LLM(str(write_tiny_moe(tmp_path / "moe")), dtype="bfloat16")
     model = llm.engine.model
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks
     for block in blocks:
-        assert all(type(e.gate_up_proj) is not PackedLinear for e in block.experts)
+        assert all(type(m) is PackedLinear for m in block.native_modules())
+        assert not isinstance(block.native(), str) or vnni_kernel() is None
     assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(model.lm_head, PackedLinear)
 

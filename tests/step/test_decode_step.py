@@ -16,12 +16,14 @@ from llmopt.layers.linear import set_submodule
 from llmopt.layers.packed_linear import PackedLinear, vnni_kernel
 from llmopt.quant.rows import ConcatLinear
 from llmopt.step import DecodeStep
-from llmopt.step.program import OP_ATTEND, OP_COPY_COLS, OP_KV_WRITE
+from llmopt.step.program import OP_ATTEND, OP_COPY_COLS, OP_KV_WRITE, OP_LINEAR, OP_MOE
 from tests.engine_utils import token_ids
 from tests.models.families import (  # noqa: F401
     WINDOW,
     tiny_gemma3,
     tiny_mistral_sw,
+    tiny_mixtral,
+    tiny_qwen2_moe,
     tiny_qwen3,
     tiny_qwen3_mixed,
     tiny_qwen3_moe,
@@ -63,8 +65,11 @@ def _both(model_dir, prompts=PROMPTS, max_tokens=(6, 30), **engine) -> tuple[lis
     return out[0], out[1]
 
 
+MOE = ["tiny_qwen3_moe", "tiny_mixtral", "tiny_qwen2_moe"]
+
+
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_sw", "tiny_qwen3_mixed",
-                                    "tiny_gemma3"])
+                                    "tiny_gemma3", *MOE])
 def test_greedy_tokens_identical_to_the_eager_step(family, request, native_calls):
     model_dir = request.getfixturevalue(family)
     eager, native = _both(model_dir)
@@ -72,6 +77,35 @@ def test_greedy_tokens_identical_to_the_eager_step(family, request, native_calls
     assert len(native_calls) > 20 and max(native_calls) == len(PROMPTS) and min(native_calls) == 1
     if family in ("tiny_mistral_sw", "tiny_qwen3_mixed", "tiny_gemma3"):
         assert max(len(p) for p in PROMPTS) > 2 * WINDOW
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_blocks_are_one_op(family, request):
+    """Each sparse block is one MOE op (router, experts and the shared expert in C); dense layers stay linears."""
+    llm = LLM(str(request.getfixturevalue(family)), dtype="bfloat16", device="cpu", num_kv_blocks=64)
+    model = llm.engine.model
+    sparse = sum(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers)
+    ops = llm.engine.runner.decode_step.program.ops
+    assert 0 < sparse < len(model.layers) or family == "tiny_mixtral"
+    assert sum(op.kind == OP_MOE for op in ops) == sparse
+    # per layer: q|k|v and o; a dense layer adds gate|up and down
+    assert sum(op.kind == OP_LINEAR for op in ops) == 2 * len(model.layers) + 2 * (len(model.layers) - sparse)
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+def test_quantized_experts_identical(scheme, tiny_qwen2_moe, tmp_path, monkeypatch, native_calls):  # noqa: F811
+    """Quantized experts (and the shared expert) run their own kernels inside the MoE op; routers stay bf16."""
+    quantize_tiny(monkeypatch, tiny_qwen2_moe, tmp_path / "q", scheme=scheme,
+                  **({"group_size": 32} if scheme == "w4a16" else {}))
+    eager, native = _both(tmp_path / "q", prompts=PROMPTS[:6])
+    assert native == eager and native_calls
+    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", device="cpu", num_kv_blocks=64)
+    block = next(layer.mlp for layer in llm.engine.model.layers if type(layer.mlp).__name__ == "SparseMoeBlock")
+    spec = block.native().spec
+    want = 1 if scheme == "w8a16" else 2
+    assert {spec.experts[i].storage for i in range(2 * block.num_experts)} == {want}
+    assert spec.shared_gate_up.storage == spec.shared_down.storage == want
+    assert spec.router.storage == spec.shared_gate.storage == 0
 
 
 @pytest.mark.parametrize("case", ["w8a16", "w4a16", "w4a16-gptq-act-order"])
@@ -130,8 +164,14 @@ def test_quantized_kv_cache_identical(codes, family, request, native_calls):
 def test_what_the_step_does_not_take_runs_eagerly(tiny_llama, tiny_qwen3_moe, native_calls):  # noqa: F811
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     moe = LLM(str(tiny_qwen3_moe), dtype="bfloat16", device="cpu", num_kv_blocks=64)
-    assert moe.engine.runner.decode_step is None  # MoE layers are not lowered
+    block = moe.engine.model.layers[0].mlp
+    seen = []
+    block.experts[0].down_proj.register_forward_hook(lambda m, a, o: seen.append(o.shape[0]))
+    runner = moe.engine.runner
+    runner.decode_step = DecodeStep.build(moe.engine.model, runner.cache, runner.attn_backend)
+    assert runner.decode_step is None  # a hooked expert: neither the step nor the C block runs it
     assert len(token_ids(moe, PROMPTS[:2], params)[0]) == 4
+    assert seen and isinstance(block.native(), str)
     for engine in ({"dtype": "float32"}, {"dtype": "bfloat16", "enforce_eager": True}):
         llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64, **engine)
         assert llm.engine.runner.decode_step is None, engine
