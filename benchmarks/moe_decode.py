@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--variants", default="step,eager,torch", help="ours, in this order (module doc)")
     ap.add_argument("--no-transformers", action="store_true", help="leave transformers out")
+    ap.add_argument("--scheme", choices=["w8a16", "w4a16"], default=None,
+                    help="quantize the experts and projections first (RTN; w4a16 in groups of 128); transformers is "
+                         "then left out")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)
@@ -110,6 +113,14 @@ def main() -> None:
                                        num_heads=8, num_kv_heads=4, num_experts=args.experts, top_k=args.top_k,
                                        expert_intermediate_size=args.expert_width))
         cfg = json.loads(open(f"{model_dir}/config.json").read())
+        if args.scheme:
+            from llmopt.quant.pipeline import quantize_model
+            from llmopt.quant.recipe import QuantizeConfig
+
+            out = f"{tmp}/{args.scheme}"
+            quantize_model(QuantizeConfig(model=model_dir, output=out, scheme=args.scheme, method="rtn",
+                                          group_size=128 if args.scheme == "w4a16" else None, device="cpu"))
+            model_dir, args.no_transformers = out, True
         rng = random.Random(0)
         rows = []
         for b in (int(v) for v in args.batches.split(",")):
@@ -131,7 +142,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"model": f"random Qwen3-MoE: hidden {args.hidden}, {args.layers} layers, {args.experts} experts of "
-                       f"{args.expert_width}, top-{args.top_k}", "dtype": args.dtype,
+                       f"{args.expert_width}, top-{args.top_k}", "dtype": args.dtype, "scheme": args.scheme,
               "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "rows": rows}
     print(json.dumps(result, indent=2))
