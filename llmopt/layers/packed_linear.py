@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from llmopt.layers.linear import FusedLinear, set_submodule
 log = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a MoE expert's projection (SparseMoeBlock's naming)
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 PANEL = 64  # outputs per panel of the VNNI layout (bf16_linear.c's PANEL)
 AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multiple of it for the AMX path
@@ -195,10 +197,13 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, under: str | None = None) -> int:
     """Swap every plain dense bf16/fp16 CPU Linear of `model` (or of its module `under`, the loader packing one
     layer at a time) for a PackedLinear; returns how many. Quantized modules and linears with hooks are kept. MoE
-    experts are packed too: their block then runs them in C (`moe_native.py`) instead of torch's grouped_mm."""
+    experts are packed where our bf16 kernel runs them (their block is then one C call, `moe_native.py`), and
+    kept plain elsewhere, for the block's grouped_mm over their stacked weights."""
+    vnni = vnni_kernel() is not None
     names = [name for name, mod in model.named_modules()
              if type(mod) in (nn.Linear, FusedLinear) and not mod._forward_hooks and not mod._forward_pre_hooks
              and not mod.weight.is_meta and packing_supported(mod.weight.dtype, mod.weight.device)
+             and (not _EXPERT.search(name) or (vnni and mod.weight.dtype == torch.bfloat16))
              and (under is None or name == under or name.startswith(under + "."))]
     for i, name in enumerate(names):  # by name, so each plain weight is freed once its packed copy is in
         try:
