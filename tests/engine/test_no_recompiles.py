@@ -10,10 +10,10 @@ import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.layers import kernels
-from tests.models.families import tiny_gemma3  # noqa: F401
+from tests.models.families import tiny_gemma3, tiny_qwen2_moe  # noqa: F401
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3", "tiny_qwen2_moe"])
 def test_varied_workload_never_recompiles(family, request, monkeypatch):
     model_dir = request.getfixturevalue(family)
     torch._dynamo.reset()
