@@ -457,7 +457,10 @@ def quantize(
     static_groups: bool = typer.Option(True, "--static-groups/--no-static-groups",
                                        help="--act-order: fix group scales up front (identity g_idx); without "
                                        "them the checkpoint has a g_idx (needs --format gptq)."),
-    mse: bool = typer.Option(False, "--mse", help="GPTQ: pick each group's range by MSE shrink search."),
+    mse: Optional[bool] = typer.Option(None, "--mse/--no-mse",
+                                       help="GPTQ: pick each group's range by a shrink search of the squared error "
+                                       "weighted by the Hessian diagonal (default: on for --method gptq); "
+                                       "--no-mse: min/max."),
     calib: Optional[str] = typer.Option(None, "--calib", help="CALIB_DIR from `llmopt calibrate`."),
     calib_data: list[str] = typer.Option([], "--calib-data", help="PATH[:WEIGHT] to sample calibration data from; "
                                          "repeat the flag to mix sources (--calib-data A --calib-data B)."),

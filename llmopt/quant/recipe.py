@@ -113,7 +113,7 @@ class QuantizeConfig(BaseModel):
     # reaches it and ends up worse than RTN on SmolLM2 (docs/QUANTIZE.md, "GPTQ defaults", issue #32).
     act_order: bool | None = None
     static_groups: bool = True  # act-order: fix group scales before the error feedback (identity g_idx)
-    mse: bool = False  # GPTQ: choose each group's range by shrink-grid MSE search instead of min/max
+    mse: bool | None = None  # GPTQ: each group's range by a Hessian-weighted shrink search (None: on), or min/max
     calib: Path | None = None
     calib_data: list[str] = []
     num_samples: int = Field(128, ge=1)
@@ -225,6 +225,8 @@ class QuantizeConfig(BaseModel):
                              "reads a group index)")
         if self.mse and not gptq:
             raise ValueError("--mse applies to --method gptq only")
+        if self.mse is None:
+            self.mse = gptq
         if self.calib is not None and self.calib_data:
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
         if self.format == "gptq":

@@ -100,33 +100,48 @@ def mse_params(
     grid: int = 100,
     norm: float = 2.4,
     chunk: int = 10,
+    weights: torch.Tensor | None = None,
+    coarse: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (scale, zero) for `w` [rows, cols] that minimize Σ|w - Q(w)|^norm.
+    """Per-row (scale, zero) for `w` [rows, cols] that minimize Σ|w - Q(w)|^norm, or with `weights` (broadcast to
+    w; GPTQ passes its Hessian diagonal, as llama.cpp weighs by its importance matrix) Σ weights·(w - Q(w))².
 
-    Shrinks the [min, max] range by factors 1 - k/grid for k < maxshrink·grid (as the GPTQ
-    reference quantizer does) and keeps the best per row. Candidates are evaluated `chunk` at a
-    time so memory stays at chunk × rows × cols.
+    Shrinks the [min, max] range by factors 1 - k/grid for k < maxshrink·grid (the GPTQ reference quantizer's
+    grid), coarse to fine: every `coarse`-th k, then each row's neighbours of its best; the unshrunk range is a
+    candidate, so the result is never worse than min/max. Candidates are evaluated `chunk` at a time so memory
+    stays at chunk × rows × cols.
     """
     w = w.float()
     rows = w.shape[0]
-    xmin = w.amin(dim=1)
-    xmax = w.amax(dim=1)
-    best_scale, best_zero = params_from_range(xmin, xmax, scheme)
-    best_err = (
-        (fake_quantize(w, best_scale[:, None], best_zero[:, None], scheme.maxq) - w).abs().pow(norm).sum(1)
-    )
-    steps = int(maxshrink * grid)
-    ks = list(range(1, steps))
-    for start in range(0, len(ks), chunk):
-        p = 1 - torch.tensor(ks[start : start + chunk], dtype=torch.float32, device=w.device) / grid
-        scale, zero = params_from_range(p[:, None] * xmin, p[:, None] * xmax, scheme)  # [c, rows]
-        err = (fake_quantize(w, scale[..., None], zero[..., None], scheme.maxq) - w).abs().pow(norm).sum(-1)
-        err_min, arg = err.min(dim=0)
-        better = err_min < best_err
+    xmin, xmax = w.amin(dim=1), w.amax(dim=1)
+    if weights is not None:
+        norm = 2.0
+    wt = torch.ones((), device=w.device) if weights is None else weights.float().to(w.device)
+    steps = max(int(maxshrink * grid), 1)
+    best_err = torch.full((rows,), float("inf"), device=w.device)
+    best_k = torch.zeros(rows, dtype=torch.long, device=w.device)
+    best_scale = torch.empty(rows, device=w.device)
+    best_zero = torch.empty(rows, device=w.device)
+
+    def consider(ks: torch.Tensor) -> None:  # [candidates, rows] shrink steps
+        nonlocal best_err, best_k, best_scale, best_zero
         pick = torch.arange(rows, device=w.device)
-        best_err = torch.where(better, err_min, best_err)
-        best_scale = torch.where(better, scale[arg, pick], best_scale)
-        best_zero = torch.where(better, zero[arg, pick], best_zero)
+        for start in range(0, ks.shape[0], chunk):
+            k = ks[start:start + chunk]
+            p = 1 - k.float() / grid
+            scale, zero = params_from_range(p * xmin, p * xmax, scheme)  # [c, rows]
+            err = ((fake_quantize(w, scale[..., None], zero[..., None], scheme.maxq) - w).abs().pow(norm) * wt).sum(-1)
+            err_min, arg = err.min(dim=0)
+            better = err_min < best_err
+            best_err = torch.where(better, err_min, best_err)
+            best_k = torch.where(better, k[arg, pick], best_k)
+            best_scale = torch.where(better, scale[arg, pick], best_scale)
+            best_zero = torch.where(better, zero[arg, pick], best_zero)
+
+    consider(torch.arange(0, steps, coarse, device=w.device)[:, None].expand(-1, rows))
+    if coarse > 1:
+        offsets = torch.tensor([o for o in range(1 - coarse, coarse) if o], device=w.device)
+        consider((best_k[None] + offsets[:, None]).clamp(0, steps - 1))
     return best_scale, best_zero
 
 
@@ -136,11 +151,13 @@ def group_params(
     clip_ratio: float = 1.0,
     max_val: torch.Tensor | None = None,
     mse: bool = False,
+    col_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero [out, n_groups] for contiguous groups of `w` [out, in].
 
     `clip_ratio` shrinks each group's range; `max_val` [out, n_groups] (from AWQ clip search)
-    clamps weights to ±max_val first; `mse` runs the shrink-grid search instead of min/max.
+    clamps weights to ±max_val first; `mse` runs the shrink-grid search instead of min/max, weighing each
+    input column's squared error by `col_weights` [in] when given (GPTQ: the Hessian diagonal).
     """
     g = _group_view(w.float(), scheme)
     if max_val is not None:
@@ -148,7 +165,8 @@ def group_params(
         g = torch.maximum(torch.minimum(g, mv), -mv)
     out, ng, gs = g.shape
     if mse:
-        scale, zero = mse_params(g.reshape(out * ng, gs), scheme)
+        wts = None if col_weights is None else col_weights.float().to(g.device).reshape(ng, gs).repeat(out, 1)
+        scale, zero = mse_params(g.reshape(out * ng, gs), scheme, weights=wts)
         return scale.reshape(out, ng), zero.reshape(out, ng)
     return params_from_range(g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio, scheme)
 

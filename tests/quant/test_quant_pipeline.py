@@ -169,6 +169,16 @@ def test_act_order_with_a_group_index_and_mse_ranges_round_trip(tiny_llama, tmp_
         assert _logit_error(tmp_path / name, reference, seqs) < e_rtn, name
 
 
+def test_gptq_searches_its_ranges_by_default():
+    """--method gptq picks group ranges by the Hessian-weighted search unless --no-mse; other methods take none."""
+    base = {"model": "m", "output": "out", "scheme": "w4a16"}
+    assert QuantizeConfig(**base, method="gptq").mse is True
+    assert QuantizeConfig(**base, method="gptq", mse=False).mse is False
+    assert QuantizeConfig(**base, method="rtn").mse is False
+    with pytest.raises(ValueError, match="--mse applies to --method gptq only"):
+        QuantizeConfig(**base, method="awq", mse=True)
+
+
 def test_default_gptq_exports_act_order_static_groups(tiny_llama, tmp_path, monkeypatch):
     """GPTQ's default (act-order, static groups; issue #32) in the gptq format: static groups and an identity
     g_idx, so desc_act is false (the columns are in group order; vLLM refuses desc_act=True checkpoints); per
