@@ -70,13 +70,11 @@ class NativeMoe:
     """The C spec of one block (`tensors` keeps what it points into alive)."""
 
     def __init__(self, block: nn.Module, linears: list[tuple[nn.Module, KernelLinear]], kernel: MoeKernel,
-                 gelu: bool):
+                 addr: dict[str, int], gelu: bool):
         experts = [k for _, k in linears[1:1 + 2 * block.num_experts]]
         shared = [k for _, k in linears[1 + 2 * block.num_experts:]]  # gate|up, down, gate
         self.tensors = [t for _, k in linears for t in (k.packed, k.scale, k.bias, k.perm) if t is not None]
         self.experts = (CLinear * len(experts))(*map(_c, experts))
-        vnni, ops = vnni_kernel(), native_ops.load()
-        addr = {**vnni.addresses(), **ops.addresses()}  # type: ignore[union-attr]
         self.spec = CMoe(linear=addr["linear"], linear_amx=addr["linear_amx"], linear_int4=addr["linear_int4"],
                          act=addr["act"], hidden=linears[0][1].in_features, num_experts=block.num_experts,
                          top_k=block.top_k, inter=experts[0].out_features // 2,
@@ -105,8 +103,8 @@ class NativeMoe:
 def native_moe(block: nn.Module, modules: tuple[nn.Module, ...], gelu: bool) -> NativeMoe | str:
     """The block's spec, or why it has none. `modules`: router, each expert's gate|up and down, then the shared
     expert's gate|up, down and gate (if any)."""
-    kernel = load()
-    if kernel is None or vnni_kernel() is None or native_ops.load() is None:
+    kernel, vnni, ops = load(), vnni_kernel(), native_ops.load()
+    if kernel is None or vnni is None or ops is None:
         return "a kernel cannot be built here"
     linears = []
     for m in modules:
@@ -114,4 +112,4 @@ def native_moe(block: nn.Module, modules: tuple[nn.Module, ...], gelu: bool) -> 
         if isinstance(k, str):
             return k
         linears.append((m, k))
-    return NativeMoe(block, linears, kernel, gelu)
+    return NativeMoe(block, linears, kernel, {**vnni.addresses(), **ops.addresses()}, gelu)

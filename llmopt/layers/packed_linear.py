@@ -59,6 +59,11 @@ class Bf16LinearKernel:
         VNNI kernel."""
         return self.amx and m >= self.amx_min_rows[weight_dtype] and k % AMX_K == 0
 
+    def amx_from_rows(self, k: int, weight_dtype: torch.dtype) -> int:
+        """The rows from which a call over k inputs runs on AMX tiles, or -1 where none does (what the C callers
+        of the kernel, `KernelLinear.amx_min_rows`, decide by)."""
+        return self.amx_min_rows[weight_dtype] if self.uses_amx(1 << 30, k, weight_dtype) else -1
+
     def __call__(self, x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
                  scale: torch.Tensor | None = None) -> torch.Tensor:
         """(x2 @ w.T) * scale + bias. x2 [M, K] bf16 contiguous; `packed`: pack_vnni of an [n, K] weight, bf16
@@ -179,11 +184,10 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def kernel_linear(self) -> KernelLinear | None:
-        k = self.kernel
-        if k is None:
+        if self.kernel is None:
             return None
-        amx = k.amx_min_rows[torch.bfloat16] if k.uses_amx(1 << 30, self.in_features, torch.bfloat16) else -1
-        return KernelLinear("bf16", self.packed, self.in_features, self.out_features, bias=self.bias, amx_min_rows=amx)
+        return KernelLinear("bf16", self.packed, self.in_features, self.out_features, bias=self.bias,
+                            amx_min_rows=self.kernel.amx_from_rows(self.in_features, torch.bfloat16))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

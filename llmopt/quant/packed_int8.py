@@ -55,10 +55,8 @@ class PackedInt8Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def kernel_linear(self) -> KernelLinear:
-        k = self.kernel
-        amx = k.amx_min_rows[torch.int8] if k.uses_amx(1 << 30, self.in_features, torch.int8) else -1
         return KernelLinear("int8", self.packed, self.in_features, self.out_features, scale=self.scales,
-                            bias=self.bias, amx_min_rows=amx)
+                            bias=self.bias, amx_min_rows=self.kernel.amx_from_rows(self.in_features, torch.int8))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight

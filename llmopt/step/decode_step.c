@@ -60,8 +60,8 @@ enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTA
 //   ACT        out [rows, n[0]] = act(gate) * up over a [rows, 2 * n[0]]; i[0] 1: GELU-tanh, 0: SiLU.
 //   COPY_COLS  out[t][n[2] + j] = a[t][j] for j < n[0], out's rows n[1] wide (a part of a fused projection
 //              into its columns: a ConcatLinear's parts run one by one, as torch.cat joins them).
-//   MOE        out [rows, hidden] = the sparse MoE block p[0] (moe_block.c's moe_t) over a [rows, hidden]; its
-//              tokens per expert into p[1] (int64, or NULL).
+//   MOE        out [rows, hidden] = the sparse MoE block p[0] (moe_block.c's moe_t) over a [rows, hidden] (its
+//              tokens-per-expert output is not asked for).
 typedef struct {
     int32_t kind, i[3];
     int64_t n[6];
@@ -162,7 +162,7 @@ static int run_op(const kernels_t *k, const op_t *o, const step_t *s) {
         for (int64_t t = 0; t < T; t++) memcpy(o->out + t * o->n[1] + o->n[2], o->a + t * o->n[0], (size_t)o->n[0] * 2);
         return 0;
     case OP_MOE:
-        return k->moe ? ((moe_fn)k->moe)(o->p[0], o->a, T, o->out, (int64_t *)o->p[1], nt) : 10;
+        return k->moe ? ((moe_fn)k->moe)(o->p[0], o->a, T, o->out, NULL, nt) : 10;
     default:
         return 9;
     }
