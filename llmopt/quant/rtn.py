@@ -104,7 +104,7 @@ def mse_params(
     coarse: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (scale, zero) for `w` [rows, cols] that minimize Σ|w - Q(w)|^norm, or with `weights` (broadcast to
-    w; GPTQ passes its Hessian diagonal, as llama.cpp weighs by its importance matrix) Σ weights·(w - Q(w))².
+    w; GPTQ passes `gptq.range_weights`, llama.cpp's importance weighting) Σ weights·(w - Q(w))².
 
     Shrinks the [min, max] range by factors 1 - k/grid for k < maxshrink·grid (the GPTQ reference quantizer's
     grid), coarse to fine: every `coarse`-th k, then each row's neighbours of its best; the unshrunk range is a
@@ -151,13 +151,13 @@ def group_params(
     clip_ratio: float = 1.0,
     max_val: torch.Tensor | None = None,
     mse: bool = False,
-    col_weights: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero [out, n_groups] for contiguous groups of `w` [out, in].
 
     `clip_ratio` shrinks each group's range; `max_val` [out, n_groups] (from AWQ clip search)
     clamps weights to ±max_val first; `mse` runs the shrink-grid search instead of min/max, weighing each
-    input column's squared error by `col_weights` [in] when given (GPTQ: the Hessian diagonal).
+    weight's squared error by `weights` (broadcast to [out, in]) when given (GPTQ: `gptq.range_weights`).
     """
     g = _group_view(w.float(), scheme)
     if max_val is not None:
@@ -165,7 +165,7 @@ def group_params(
         g = torch.maximum(torch.minimum(g, mv), -mv)
     out, ng, gs = g.shape
     if mse:
-        wts = None if col_weights is None else col_weights.float().to(g.device).reshape(ng, gs).repeat(out, 1)
+        wts = None if weights is None else weights.float().to(g.device).expand(out, ng * gs).reshape(out * ng, gs)
         scale, zero = mse_params(g.reshape(out * ng, gs), scheme, weights=wts)
         return scale.reshape(out, ng), zero.reshape(out, ng)
     return params_from_range(g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio, scheme)

@@ -8,6 +8,7 @@ from _qhelpers import correlated_inputs, out_err
 
 from llmopt.errors import LlmoptError
 from llmopt.quant import GPTQ, QuantScheme, gptq_quantize, rtn_quantize
+from llmopt.quant.gptq import range_weights
 
 
 def _hessian(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ def test_mse_observer_and_errors():
 
 
 def test_weighted_ranges_lower_the_output_error():
-    """The default range search (squared error weighted by the Hessian diagonal) against min/max ranges, both
+    """The default range search (squared error weighted as llama.cpp weighs it) against min/max ranges, both
     with error feedback: heavy-tailed weights over inputs of unequal energy."""
     g = torch.Generator().manual_seed(0)
     x = correlated_inputs(512, 128) * (torch.rand(128, generator=g) * 4)
@@ -118,6 +119,17 @@ def test_weighted_ranges_lower_the_output_error():
     searched, _ = gptq_quantize(w, H, scheme, mse_observer=True)
     minmax, _ = gptq_quantize(w, H, scheme, mse_observer=False)
     assert out_err(x, w, searched.dequantize()) < 0.9 * out_err(x, w, minmax.dequantize())
+
+
+def test_range_weights_are_llamacpps_importance_form():
+    """Each weight's importance is its input's E[x²] times sqrt(σ² + w²), σ² = 2·mean(w²) of its row."""
+    w = torch.tensor([[1.0, -3.0, 0.0, 2.0], [0.1, 0.1, 0.1, 0.1]])
+    h = torch.tensor([1.0, 0.5, 2.0, 0.0])
+    sigma2 = 2 * w.pow(2).mean(1)
+    got = range_weights(w, h, sigma2)
+    want = torch.tensor([[h[j] * (sigma2[r] + w[r, j] ** 2) ** 0.5 for j in range(4)] for r in range(2)])
+    assert torch.allclose(got, want)
+    assert got[0, 3] == 0  # an input that never fires weighs nothing
 
 
 def test_gptq_speed_smollm2_sized_linear():

@@ -135,7 +135,7 @@ def test_weighted_range_search_follows_the_weights_and_never_loses_to_min_max():
                       * h.reshape(4, 32)).sum())
 
     minmax = werr(*group_params(w, scheme))
-    weighted = werr(*group_params(w, scheme, mse=True, col_weights=h))
+    weighted = werr(*group_params(w, scheme, mse=True, weights=h))
     unweighted = werr(*group_params(w, scheme, mse=True))
     assert weighted <= minmax and weighted < 0.9 * unweighted, (weighted, unweighted, minmax)
     groups = w.reshape(-1, 32)
