@@ -459,7 +459,8 @@ def quantize(
                                        "them the checkpoint has a g_idx (needs --format gptq)."),
     mse: Optional[bool] = typer.Option(None, "--mse/--no-mse",
                                        help="GPTQ: pick each group's range by a shrink search of the squared error "
-                                       "weighted by the Hessian diagonal (default: on for --method gptq); "
+                                       "weighted as llama.cpp weighs it (each input's E[x^2] x sqrt(sigma^2 + w^2); "
+                                       "default: on for --method gptq); "
                                        "--no-mse: min/max."),
     calib: Optional[str] = typer.Option(None, "--calib", help="CALIB_DIR from `llmopt calibrate`."),
     calib_data: list[str] = typer.Option([], "--calib-data", help="PATH[:WEIGHT] to sample calibration data from; "

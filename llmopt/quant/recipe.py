@@ -113,7 +113,7 @@ class QuantizeConfig(BaseModel):
     # reaches it and ends up worse than RTN on SmolLM2 (docs/QUANTIZE.md, "GPTQ defaults", issue #32).
     act_order: bool | None = None
     static_groups: bool = True  # act-order: fix group scales before the error feedback (identity g_idx)
-    mse: bool | None = None  # GPTQ: each group's range by a Hessian-weighted shrink search (None: on), or min/max
+    mse: bool | None = None  # GPTQ: each group's range by an importance-weighted shrink search (None: on), or min/max
     calib: Path | None = None
     calib_data: list[str] = []
     num_samples: int = Field(128, ge=1)

@@ -86,7 +86,7 @@ class SequentialOptions:
     method: str = "rtn"  # rtn | gptq | awq, or auto: each target's own (`Target.method`, chosen by the search)
     act_order: bool = True  # GPTQ only (issue #32: without it GPTQ lost to RTN on SmolLM2)
     static_groups: bool = True
-    mse: bool = True  # GPTQ: ranges by the Hessian-weighted shrink search (gptq.gptq_quantize), else min/max
+    mse: bool = True  # GPTQ: ranges by the importance-weighted shrink search (gptq.range_weights), else min/max
     damp: float = 0.01
     block_size: int = 128
     smoothquant_alpha: float = 0.5
