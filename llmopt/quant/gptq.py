@@ -193,7 +193,8 @@ def gptq_quantize(
     zero = torch.empty(out, n_groups, device=device)
     if static_groups or not grouped:
         # Per-channel, or groups fixed before any error feedback (original contiguous columns).
-        s0, z0 = group_params(W, scheme, mse=mse_observer, weights=range_weights(W, hdiag, sigma2))
+        s0, z0 = group_params(W, scheme, mse=mse_observer,
+                              weights=range_weights(W, hdiag, sigma2) if mse_observer else None)
         scale.copy_(s0)
         zero.copy_(z0)
 
