@@ -16,9 +16,12 @@
 //
 // int4 (W4A16, symmetric groups; bf16_linear_int4): the same panels with one byte per output and pair of k,
 // the low nibble k and the high one k + 1, codes q in 0..15 for the weight (q - 8) * s; s is a bf16 scale per
-// group of G inputs and output, laid out [K / G][N rounded to 16]. A pass sums each group's products in its
-// own float32 lanes and folds them into the output's with one multiply-add by the 16 outputs' scales, so no
-// weight is ever scaled; the nibbles become bf16 by one table lookup (vpermw) per 32 weights.
+// group of G inputs and output, laid out [K / G][N rounded to 16]. Up to WIDEN_ROWS_INT4 rows, a pass sums
+// each group's products in its own float32 lanes and folds them into the output's with one multiply-add by
+// the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16 by one table
+// lookup (vpermw) per 32 weights. Past that (prefill), each panel is dequantized once per work item to bf16
+// (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
+// the folds cost a fifth of the compute-bound passes' speed.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <string.h>
@@ -34,8 +37,11 @@
 #define MT 6       // activation rows per pass over a panel: MT * NV accumulators, NV weight vectors, 1 broadcast
 #define M_CHUNK 48 // activation rows per work item: a big batch is split over rows as well as panels
 #define WIDEN_ROWS 16 // int8: past this many rows, panels are widened to bf16 once per work item
-#define MT_GROUPED 3  // grouped (int4) passes: 2 * MT_GROUPED * NV accumulators + NV weights stay in registers
-#define WIDEN_ROWS_INT4 16  // int4: past this many rows, panels are widened to bf16 codes once per item (measured)
+#define MT_GROUPED 6  // int4 passes of up to 6 rows; past 3 rows over NV_GROUPED vectors of the panel at a time, so
+#define NV_GROUPED 2  // 2 * MT_GROUPED * NV_GROUPED accumulators + the weights stay in registers
+#ifndef WIDEN_ROWS_INT4
+#define WIDEN_ROWS_INT4 32  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
+#endif
 enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
 
@@ -81,27 +87,28 @@ static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table) {
 // Inlined with constant mt, nv and int8 (see panel) so the accumulators stay in registers.
 static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x, const int mt, int64_t K,
                                                               const void *wp, const int storage, const int nv,
+                                                              const int vstride,
                                                               const uint16_t *scale, const uint16_t *bias,
                                                               uint16_t *y, int64_t N, int64_t valid,
                                                               const int grouped, int64_t group,
                                                               const uint16_t *gscale, int64_t gstride) {
-    __m512 acc[MT][NV], gacc[MT_GROUPED][NV];
+    __m512 acc[MT][NV], gacc[MT][NV];
     for (int m = 0; m < MT; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     const __m512i table = storage == W_INT4 ? _mm512_loadu_si512((const void *)I4_TABLE) : _mm512_setzero_si512();
     if (grouped)
-        for (int m = 0; m < MT_GROUPED; m++)
+        for (int m = 0; m < MT; m++)
             for (int v = 0; v < NV; v++) gacc[m][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
         __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
         if (storage == W_INT8) {
-            const int8_t *wk = (const int8_t *)wp + k * nv * 16;
+            const int8_t *wk = (const int8_t *)wp + k * vstride * 16;
             for (int v = 0; v < nv; v++) w[v] = int8x32_to_bf16(wk + v * 32);
         } else if (storage == W_INT4) {
-            const uint8_t *wk = (const uint8_t *)wp + (k / 2) * nv * 16;
+            const uint8_t *wk = (const uint8_t *)wp + (k / 2) * vstride * 16;
             for (int v = 0; v < nv; v++) w[v] = int4x32_to_bf16(wk + v * 16, table);
         } else {
-            const uint16_t *wk = (const uint16_t *)wp + k * nv * 16;
+            const uint16_t *wk = (const uint16_t *)wp + k * vstride * 16;
             for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
         }
         for (int m = 0; m < mt; m++) {
@@ -136,26 +143,36 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
 }
 
 #define CASE(mt, nv) case (mt) * 8 + (nv): \
-    if (storage == W_INT8) panel_mt_nv(x, mt, K, wp, W_INT8, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
-    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
+    if (storage == W_INT8) panel_mt_nv(x, mt, K, wp, W_INT8, nv, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
+    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
     break;
 #define CASES(mt) CASE(mt, 1) CASE(mt, 2) CASE(mt, 3) CASE(mt, 4)
 #define GCASE(mt, nv) case (mt) * 8 + (nv): \
-    if (storage == W_INT4) panel_mt_nv(x, mt, K, wp, W_INT4, nv, NULL, bias, y, N, valid, 1, group, gscale, gstride); \
-    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, NULL, bias, y, N, valid, 1, group, gscale, gstride); \
+    panel_mt_nv(x, mt, K, wv, W_INT4, nv, vstride, NULL, bv, yv, N, vv, 1, group, gv, gstride); \
     break;
-#define GCASES(mt) GCASE(mt, 1) GCASE(mt, 2) GCASE(mt, 3) GCASE(mt, 4)
 
-static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int storage, int nv, const uint16_t *scale,
-                  const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group, const uint16_t *gscale,
-                  int64_t gstride) {
-    if (group) {
-        switch (mt * 8 + nv) {
-            GCASES(1) GCASES(2) GCASES(3)
+// Passes over an int4 panel with group folds: one row over the whole panel (four chains of sums), more rows over
+// NV_GROUPED of its vectors at a time.
+static void panel_int4(const uint16_t *x, int mt, int64_t K, const uint8_t *wp, int nv, const uint16_t *bias,
+                       uint16_t *y, int64_t N, int64_t valid, int64_t group, const uint16_t *gscale, int64_t gstride) {
+    const int vstride = nv, step = mt <= 3 ? nv : NV_GROUPED;
+    for (int v0 = 0; v0 < vstride; v0 += step) {
+        const int sub = vstride - v0 < step ? vstride - v0 : step;
+        const uint8_t *wv = wp + v0 * 16;
+        const uint16_t *bv = bias ? bias + v0 * 16 : NULL, *gv = gscale + v0 * 16;
+        uint16_t *yv = y + v0 * 16;
+        const int64_t vv = valid - v0 * 16;
+        switch (mt * 8 + sub) {
+            GCASE(1, 1) GCASE(1, 2) GCASE(1, 3) GCASE(1, 4) GCASE(2, 1) GCASE(2, 2) GCASE(2, 3) GCASE(2, 4)
+            GCASE(3, 1) GCASE(3, 2) GCASE(3, 3) GCASE(3, 4)
+            GCASE(4, 1) GCASE(4, 2) GCASE(5, 1) GCASE(5, 2) GCASE(6, 1) GCASE(6, 2)
             default: break;
         }
-        return;
     }
+}
+
+static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int storage, int nv, const uint16_t *scale,
+                  const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
     switch (mt * 8 + nv) {
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
         default: break;
@@ -180,12 +197,25 @@ static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512((void *)(out + i), (__m512i)int8x32_to_bf16(w + i));
 }
 
-// An int4 panel of n weights (n / 2 bytes) as bf16 codes q - 8 in the VNNI layout (exact; the group scales
-// are still folded in per group); n is a multiple of 32.
-static void widen_panel_int4(const uint8_t *w, int64_t n, uint16_t *out) {
-    const __m512i table = _mm512_loadu_si512((const void *)I4_TABLE);
-    for (int64_t i = 0; i < n; i += 32)
-        _mm512_storeu_si512((void *)(out + i), (__m512i)int4x32_to_bf16(w + i / 2, table));
+// An int4 panel (`width` outputs, K inputs) dequantized: bf16 of (q - 8) * s in the VNNI layout, each weight
+// rounded once to nearest even as torch's bf16 (q - 8) * s rounds it, so the panel is what transformers and
+// vLLM dequantize and the passes over it need no group folds. gscale: this panel's scales, gstride apart.
+static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const uint16_t *gscale,
+                             int64_t gstride, int64_t group, uint16_t *out) {
+    const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const uint16_t *gs = gscale + (2 * kp / group) * gstride;
+        for (int64_t v = 0; v < width / 16; v++) {
+            const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (kp * width + v * 16))));
+            const __m512 s = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(d, low), eight)), s);
+            const __m512 hi = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(d, 4), low), eight)), s);
+            const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+            const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+            _mm512_storeu_si512((void *)(out + (kp * width + v * 16) * 2), _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+        }
+    }
 }
 #endif
 
@@ -311,7 +341,8 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
     const int64_t chunk = amx ? AMX_ITEM : M_CHUNK;
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + chunk - 1) / chunk;
     const int widen = storage != W_BF16 && (amx || M > (storage == W_INT4 ? WIDEN_ROWS_INT4 : WIDEN_ROWS));
-    const int step = group ? MT_GROUPED : MT;
+    const int grouped = storage == W_INT4 && !widen;  // a dequantized int4 panel needs no group folds
+    const int step = grouped ? MT_GROUPED : MT;
     if (storage == W_INT4) i4_table_init();
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -335,7 +366,7 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                 int ws = storage;
                 if (widen) {
                     if (held != p) {
-                        if (storage == W_INT4) widen_panel_int4((const uint8_t *)w, width * K, buf);
+                        if (storage == W_INT4) widen_panel_int4((const uint8_t *)w, width, K, gscale + n0, n16, group, buf);
                         else widen_panel((const int8_t *)w, width * K, buf);
                     }
                     held = p, w = buf, ws = W_BF16;
@@ -347,10 +378,14 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                     continue;
                 }
 #endif
-                for (int64_t m0 = c * chunk; m0 < m_end; m0 += step) {
-                    const int64_t mt = m_end - m0 < step ? m_end - m0 : step;
-                    panel(x + m0 * K, (int)mt, K, w, ws, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid, group,
-                          group ? gscale + n0 : NULL, n16);
+                for (int64_t m0 = c * chunk, mt; m0 < m_end; m0 += mt) {
+                    const int64_t left = m_end - m0, passes = (left + step - 1) / step;
+                    mt = grouped ? (left + passes - 1) / passes : (left < step ? left : step);  // int4: even passes
+                    if (grouped)
+                        panel_int4(x + m0 * K, (int)mt, K, (const uint8_t *)w, (int)(width / 16), bp,
+                                   y + m0 * N + n0, N, valid, group, gscale + n0, n16);
+                    else
+                        panel(x + m0 * K, (int)mt, K, w, ws, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid);
                 }
             }
 #ifdef HAVE_AMX
@@ -390,8 +425,9 @@ int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
 }
 
 // W4A16: y[M, N] = x[M, K] @ ((q - 8) * s)^T + bias, the int4 panels and group scales of the header comment;
-// group even, dividing K. Past WIDEN_ROWS rows each panel is widened to bf16 codes once per work item. The AMX
-// path is not used (its tiles have no group fold). Returns as bf16_linear.
+// group even, dividing K. Past WIDEN_ROWS_INT4 rows each panel is dequantized to bf16 once per work item. The
+// AMX path is not used (its dequantized panels would suit it; not run on an AMX CPU yet). Returns as
+// bf16_linear.
 int bf16_linear_int4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *wp, const uint16_t *gscale, int64_t group,
                      const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__

@@ -7,9 +7,10 @@ with fp32 activations), run the kernel on a 2-D view, add the bias and cast back
 Kernels (torch 2.13) and when each module falls back to dequantize-then-matmul:
 
 * `Int4WeightOnlyLinear` — CPU with AVX512-BF16, symmetric groups of an even size and bf16 activations:
-  our VNNI-panel kernel (`layers/bf16_linear.c`, `bf16_linear_int4`: nibbles turned into bf16 by one
-  table lookup, each group summed apart and folded in by its 16 outputs' scales; per decoder layer
-  1.2-1.3x tinygemm at 1-2 rows, on par at 4, 1.2-2.1x at 8-64, docs/BENCHMARKS.md). Otherwise on CPU:
+  our VNNI-panel kernel (`layers/bf16_linear.c`, `bf16_linear_int4`: up to 32 rows nibbles turned into
+  bf16 by one table lookup, each group summed apart and folded in by its 16 outputs' scales; past that each
+  panel dequantized once to bf16 (q − 8)·s, rounded as torch rounds it, and multiplied as bf16 weights;
+  docs/BENCHMARKS.md). Otherwise on CPU:
   `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], tiles)`
   → uint8 [N, K/2] and `aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group, sz)`.
   CUDA: `aten._convert_weight_to_int4pack(uint8 [N, K/2] = q[:, 0::2] << 4 | q[:, 1::2], tiles)`
