@@ -1,21 +1,31 @@
-"""W4A16 per decoder layer: our VNNI-panel int4 kernel against torch's tinygemm CPU kernel, side by side.
+"""W4A16 per decoder layer: our VNNI-panel int4 kernel against torch's tinygemm CPU kernel, or against our
+own kernel's source at a git revision, side by side.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/int4_kernel.py [--shape 1b|8b] [--rows 1,4,16,64] [--rounds 20]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/int4_kernel.py [--shape 1b|8b|smollm2] [--group 128]
+        [--rows 1,4,16,64] [--rounds 20] [--rev REV]
 
-The four linears of one decoder layer of the shape (q|k|v, o, gate|up, down), symmetric int4 in groups of
-128 from random weights, built as `Int4WeightOnlyLinear` twice: once on our kernel (the default where the
-CPU has AVX512-BF16) and once on tinygemm (`_weight_int4pack_mm_for_cpu`). Rounds alternate the two, and the
-median of each is kept; GB/s is the packed weights and scales read per call over that time.
+The four linears of one decoder layer of the shape (q|k|v, o, gate|up, down), symmetric int4 from random
+weights, built as `Int4WeightOnlyLinear`: on our kernel (the default where the CPU has AVX512-BF16) and, as
+the other side, on tinygemm (`_weight_int4pack_mm_for_cpu`), or with `--rev` on `bf16_linear.c` as it was
+at REV, built next to the tree's and loaded in the same process (the same packed weights). Rounds
+alternate the two, and the median of each is kept; GB/s is the packed weights and scales read per call over
+that time.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+import llmopt.native as native
+from llmopt.layers import packed_linear
 from llmopt.quant.linear import Int4WeightOnlyLinear
 from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.scheme import QuantScheme
@@ -23,11 +33,13 @@ from llmopt.quant.scheme import QuantScheme
 SHAPES = {  # (out, in) of q|k|v, o, gate|up, down
     "1b": [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)],
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+    "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
 }
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(out_f: int, in_f: int, tinygemm: bool) -> Int4WeightOnlyLinear:
-    qw = rtn_quantize(torch.randn(out_f, in_f) * 0.02, QuantScheme(bits=4, group_size=128))
+def build(out_f: int, in_f: int, group: int, tinygemm: bool) -> Int4WeightOnlyLinear:
+    qw = rtn_quantize(torch.randn(out_f, in_f) * 0.02, QuantScheme(bits=4, group_size=group))
     if not tinygemm:
         return Int4WeightOnlyLinear.from_quantized(qw, None, torch.bfloat16, "cpu")
     build_vnni = Int4WeightOnlyLinear._build_vnni
@@ -38,32 +50,57 @@ def build(out_f: int, in_f: int, tinygemm: bool) -> Int4WeightOnlyLinear:
         Int4WeightOnlyLinear._build_vnni = build_vnni  # type: ignore[method-assign]
 
 
+def kernel_at(rev: str, tmp: Path) -> packed_linear.Bf16LinearKernel:
+    """bf16_linear.c as it was at `rev`, built and loaded apart from the tree's."""
+    source = tmp / packed_linear.SOURCE.name
+    rel = packed_linear.SOURCE.resolve().relative_to(ROOT)
+    source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], check=True,
+                                      capture_output=True).stdout)
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("no C compiler: the kernel cannot be built here")
+    return packed_linear.Bf16LinearKernel(native.build(source, cc, tmp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rev", help="the other side is our kernel at this git revision, not tinygemm")
     args = ap.parse_args()
     torch.manual_seed(0)
-    layers = {name: [build(o, i, name == "tinygemm") for o, i in SHAPES[args.shape]] for name in ("ours", "tinygemm")}
-    assert all(m.mode == "cpu-vnni-int4" for m in layers["ours"]), "our kernel does not run on this CPU"
-    nbytes = sum(m.weight_nbytes() for m in layers["ours"])
-    print(f"{args.shape} layer, int4 g128: {nbytes / 1e6:.1f} MB of packed weights and scales, "
-          f"{torch.get_num_threads()} threads")
-    print("| rows | tinygemm ms | ours ms | ours / tinygemm speed | ours GB/s |\n|---|---|---|---|---|")
-    for rows in map(int, args.rows.split(",")):
-        xs = [torch.randn(rows, i).to(torch.bfloat16) for _, i in SHAPES[args.shape]]
-        times: dict[str, list[float]] = {"ours": [], "tinygemm": []}
-        for r in range(args.rounds + 2):
-            for name in (("ours", "tinygemm") if r % 2 else ("tinygemm", "ours")):
-                t0 = time.perf_counter()
-                for m, x in zip(layers[name], xs, strict=True):
-                    m(x)
-                if r >= 2:  # two warm-up rounds
-                    times[name].append(time.perf_counter() - t0)
-        ours, theirs = statistics.median(times["ours"]), statistics.median(times["tinygemm"])
-        print(f"| {rows} | {theirs * 1e3:.2f} | {ours * 1e3:.2f} | {theirs / ours:.2f}x | {nbytes / ours / 1e9:.1f} |",
-              flush=True)
+    other = f"ours at {args.rev}" if args.rev else "tinygemm"
+    with tempfile.TemporaryDirectory(prefix="int4-kernel-") as tmp:
+        shapes = SHAPES[args.shape]
+        ours = [build(o, i, args.group, False) for o, i in shapes]
+        assert all(m.mode == "cpu-vnni-int4" for m in ours), "our kernel does not run on this CPU"
+        if args.rev:  # the same weights on the other library
+            old = kernel_at(args.rev, Path(tmp))
+            theirs = [copy.copy(m) for m in ours]  # shares the packed buffers
+            for m in theirs:
+                m._vnni = old
+        else:
+            theirs = [build(o, i, args.group, True) for o, i in shapes]
+        layers = {"ours": ours, other: theirs}
+        nbytes = sum(m.weight_nbytes() for m in ours)
+        print(f"{args.shape} layer, int4 g{args.group}: {nbytes / 1e6:.1f} MB of packed weights and scales, "
+              f"{torch.get_num_threads()} threads")
+        print(f"| rows | {other} ms | ours ms | ours / {other} speed | ours GB/s |\n|---|---|---|---|---|")
+        for rows in map(int, args.rows.split(",")):
+            xs = [torch.randn(rows, i).to(torch.bfloat16) for _, i in shapes]
+            times: dict[str, list[float]] = {name: [] for name in layers}
+            for r in range(args.rounds + 2):
+                for name in (("ours", other) if r % 2 else (other, "ours")):
+                    t0 = time.perf_counter()
+                    for m, x in zip(layers[name], xs, strict=True):
+                        m(x)
+                    if r >= 2:  # two warm-up rounds
+                        times[name].append(time.perf_counter() - t0)
+            mine, theirs_t = statistics.median(times["ours"]), statistics.median(times[other])
+            print(f"| {rows} | {theirs_t * 1e3:.2f} | {mine * 1e3:.2f} | {theirs_t / mine:.2f}x | "
+                  f"{nbytes / mine / 1e9:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

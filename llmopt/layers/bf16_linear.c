@@ -37,11 +37,10 @@
 #define MT 6       // activation rows per pass over a panel: MT * NV accumulators, NV weight vectors, 1 broadcast
 #define M_CHUNK 48 // activation rows per work item: a big batch is split over rows as well as panels
 #define WIDEN_ROWS 16 // int8: past this many rows, panels are widened to bf16 once per work item
-#define MT_GROUPED 6  // int4 passes of up to 6 rows; past 3 rows over NV_GROUPED vectors of the panel at a time, so
-#define NV_GROUPED 2  // 2 * MT_GROUPED * NV_GROUPED accumulators + the weights stay in registers
-#ifndef WIDEN_ROWS_INT4
-#define WIDEN_ROWS_INT4 32  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
-#endif
+#define MT_GROUPED 8  // int4 passes of up to 8 rows; past 3 rows over NV_GROUPED vectors of the panel at a time:
+#define NV_GROUPED 2  // the 2 * 8 * 2 accumulators spill a few, and still beat more passes decoding nibbles again
+#define MT_MAX 8      // the most rows of any pass
+#define WIDEN_ROWS_INT4 64  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
 enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
 
@@ -92,12 +91,12 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
                                                               uint16_t *y, int64_t N, int64_t valid,
                                                               const int grouped, int64_t group,
                                                               const uint16_t *gscale, int64_t gstride) {
-    __m512 acc[MT][NV], gacc[MT][NV];
-    for (int m = 0; m < MT; m++)
+    __m512 acc[MT_MAX][NV], gacc[MT_MAX][NV];
+    for (int m = 0; m < MT_MAX; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     const __m512i table = storage == W_INT4 ? _mm512_loadu_si512((const void *)I4_TABLE) : _mm512_setzero_si512();
     if (grouped)
-        for (int m = 0; m < MT; m++)
+        for (int m = 0; m < MT_MAX; m++)
             for (int v = 0; v < NV; v++) gacc[m][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
         __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
@@ -166,6 +165,7 @@ static void panel_int4(const uint16_t *x, int mt, int64_t K, const uint8_t *wp, 
             GCASE(1, 1) GCASE(1, 2) GCASE(1, 3) GCASE(1, 4) GCASE(2, 1) GCASE(2, 2) GCASE(2, 3) GCASE(2, 4)
             GCASE(3, 1) GCASE(3, 2) GCASE(3, 3) GCASE(3, 4)
             GCASE(4, 1) GCASE(4, 2) GCASE(5, 1) GCASE(5, 2) GCASE(6, 1) GCASE(6, 2)
+            GCASE(7, 1) GCASE(7, 2) GCASE(8, 1) GCASE(8, 2)
             default: break;
         }
     }
