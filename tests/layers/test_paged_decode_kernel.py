@@ -44,20 +44,22 @@ def _reference(q, k_pool, v_pool, blocks, lens, start_block, window, scale):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256), (8, 8, 128), (10, 2, 128), (6, 2, 40)])
 @pytest.mark.parametrize("window,start_block", [(0, 0), (37, 0), (37, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, window, start_block, threads):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, window, start_block, threads, dtype):
     """Head sizes 64/128/256 take the vectorized path where the CPU has AVX512-BF16 (its query heads in
     passes of 16 // (head_dim / 16) over V: 10/2 at 128 ends on a partial pass), 40 the portable one; the
-    windows start mid-block, so score tiles of fewer than 16 positions are checked too."""
+    windows start mid-block, so score tiles of fewer than 16 positions are checked too. float32 (an fp32
+    engine's pools; vectorized where head_dim is a multiple of 16 with AVX-512): to float32 rounding."""
     kernel = pdk.load()
     assert kernel is not None, "the kernel must build where a C compiler is"
     gen = torch.Generator().manual_seed(heads * head_dim + window)
     num_blocks = 96
-    k_pool = torch.randn(kv_heads, num_blocks * BS, head_dim, generator=gen).to(torch.bfloat16)
-    v_pool = torch.randn(kv_heads, num_blocks * BS, head_dim, generator=gen).to(torch.bfloat16)
+    k_pool = torch.randn(kv_heads, num_blocks * BS, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(kv_heads, num_blocks * BS, head_dim, generator=gen).to(dtype)
     lens = torch.tensor([200, 190, 61, 40, 33], dtype=torch.long)
     n = -(-200 // BS) - start_block
     blocks = torch.stack([torch.randperm(num_blocks, generator=gen)[:n] for _ in lens])
-    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -66,8 +68,9 @@ def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, window, start_
     finally:
         torch.set_num_threads(before)
     ref = _reference(q, k_pool, v_pool, blocks, lens, start_block, window, scale)
-    assert got.dtype == torch.bfloat16 and got.shape == (len(lens), heads * head_dim)
-    torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
+    assert got.dtype == dtype and got.shape == (len(lens), heads * head_dim)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
 def _filled_pool(codes, kv_heads, head_dim, gen, num_blocks=96):
@@ -181,11 +184,36 @@ def test_failed_build_falls_back_to_sdpa(no_compiler, caplog):
     torch.testing.assert_close(out.float(), ref.transpose(0, 1).reshape(1, 32), atol=1e-2, rtol=1e-2)
 
 
-def test_eager_backend_and_fp32_do_not_use_the_kernel():
+def test_the_kernel_takes_matching_pools_and_not_enforce_eager():
     plain = PagedKVCache(1, 4, 4, 1, 16, torch.bfloat16, torch.device("cpu"))
+    fp32 = PagedKVCache(1, 4, 4, 1, 16, torch.float32, torch.device("cpu"))
     attn, q = PagedAttention(0, 2, 1, 16), torch.zeros(1, 2, 16, dtype=torch.bfloat16)
     assert get_backend(torch.device("cpu"), 4, allow_compiled=False).decode_kernel(q, plain, attn) is None
-    assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), plain, attn) is None
+    assert get_backend(torch.device("cpu"), 4, allow_compiled=False).decode_kernel(q.float(), fp32, attn) is None
+    assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), plain, attn) is None  # mixed dtypes
+    assert get_backend(torch.device("cpu"), 4).decode_kernel(q, fp32, attn) is None
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), fp32, attn) is not None
+
+
+@needs_cc
+def test_fp32_engine_decodes_through_the_kernel_and_keeps_its_tokens(tiny_llama):
+    """An fp32 engine's decodes run the kernel over the float32 pool and agree with an enforce_eager engine
+    (gather + SDPA) to float32 rounding: the same greedy tokens, logprobs within 1e-4."""
+    from llmopt import LLM, SamplingParams
+
+    fast = LLM(str(tiny_llama), dtype="float32")
+    eager = LLM(str(tiny_llama), dtype="float32", enforce_eager=True)
+    g = torch.Generator().manual_seed(6)
+    vocab = fast.engine.spec.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    for a, b in zip(fast.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
+            assert abs(la[t] - lb[t]) < 1e-4
+    assert isinstance(fast.engine.runner.attn_backend._kernel, pdk.PagedDecodeKernel)
+    assert eager.engine.runner.attn_backend._kernel is False
 
 
 @needs_cc

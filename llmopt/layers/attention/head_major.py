@@ -2,7 +2,7 @@
 
 A step's tokens are its prefill chunks, then its decodes. A prefill chunk runs SDPA with a causal mask offset
 by its cached prefix (or the compiled `causal_attention`); decodes run in groups of similar context length
-(bf16 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
+(bf16 or float32 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
 entries for blocks that left the window point at a placeholder block (read, masked; the kernel skips them)."""
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class HeadMajorBackend(AttentionBackend):
 
     def decode_kernel(self, q: torch.Tensor, pool: PagedKVCache, layer: PagedAttention) -> PagedDecodeKernel | None:
         """The paged decode kernel when it takes this layer's decodes: bf16 on a CPU (over a bf16, int8 or
-        fp8 pool), not `enforce_eager`. fp32 stays on SDPA, so greedy fp32 output remains token-identical to
-        transformers."""
+        fp8 pool) or float32 (over a float32 pool), not `enforce_eager` (which keeps SDPA over a gather)."""
         if (not self.allow_compiled
                 or not PagedDecodeKernel.supports(q, pool.k, layer.num_heads, layer.num_kv_heads)):
             return None

@@ -136,14 +136,7 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-#if defined(__AVX512BF16__)
-// The same attention with AVX512-BF16, for head sizes that are multiples of 32 (DV = D / 32 vectors of
-// 32 bf16 per row). The scalar loop above sums each q.k product with a horizontal reduction and keeps
-// its output in memory (a store-to-load chain per position): ~170 cycles per position and KV head. Here:
-// - q.k: vdpbf16ps on the bf16 values as stored (products exact, sums in float32), 16 positions at a
-//   time, their 16 reductions done together (hsum16);
-// - p.v: the output of up to 16 / (D / 16) query heads kept in registers over the whole context.
-
+#if defined(__AVX512F__)
 // lane j = the sum of v[j]'s lanes: four rounds that halve all 16 vectors' lanes together (45
 // instructions; 16 separate reductions take ~160). Each round pairs vectors, so the input is taken
 // in the 4 x 4 transposed order that puts vector j's sum in lane j.
@@ -161,6 +154,16 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))),
                          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
 }
+
+#endif
+
+#if defined(__AVX512BF16__)
+// The same attention with AVX512-BF16, for head sizes that are multiples of 32 (DV = D / 32 vectors of
+// 32 bf16 per row). The scalar loop above sums each q.k product with a horizontal reduction and keeps
+// its output in memory (a store-to-load chain per position): ~170 cycles per position and KV head. Here:
+// - q.k: vdpbf16ps on the bf16 values as stored (products exact, sums in float32), 16 positions at a
+//   time, their 16 reductions done together (hsum16);
+// - p.v: the output of up to 16 / (D / 16) query heads kept in registers over the whole context.
 
 static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -293,6 +296,144 @@ int paged_decode(const uint16_t *q, const void *k, const void *v, const float *k
                    out + (b * H + h * G) * D, buf);
             }
         free(buf);
+    }
+    return failed;
+}
+
+// float32 decode (an fp32 engine): q, out [B, H, D] and k, v [Hkv, S, D] float32, the same arguments as
+// paged_decode otherwise (no codes). Products and sums in float32 with FMAs; for head sizes that are multiples
+// of 16 with AVX-512, 16 positions' q.k at a time (hsum16) and the output of up to 16 / (D / 16) query heads in
+// registers over the context; else portably. Reads the blocks where they lie, as paged_decode does: the gather
+// into a padded copy and SDPA's pass over it were ~30% of an fp32 mixed workload (docs/BENCHMARKS.md).
+static void attend_f32(const float *q, const float *k, const float *v, const int64_t *table, int64_t lo,
+                       int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale, float *out,
+                       float *sc) {
+    const int64_t span = hi - lo;
+    float mx[64], sum[64];
+    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+#if defined(__AVX512F__)
+    const int vec = D % 16 == 0 && D <= 256;
+#else
+    const int vec = 0;
+#endif
+    for (int64_t p = lo; p < hi;) {  // scores, a block at a time
+        const int64_t j = (p - first) / bs, r0 = p - first - j * bs;
+        const int64_t r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
+        const float *blk = k + table[j] * bs * D;
+        if (p + r1 - r0 < hi) {
+            const char *next = (const char *)(k + table[j + 1] * bs * D);
+            for (int64_t i = 0; i < bs * D * 4; i += 64) __builtin_prefetch(next + i, 0, 3);
+        }
+#if defined(__AVX512F__)
+        if (vec) {
+            const int64_t DF = D / 16;
+            for (int64_t r = r0; r < r1; r += 16) {
+                const int64_t n = r1 - r < 16 ? r1 - r : 16;
+                const __mmask16 live = (__mmask16)((1u << n) - 1);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 qg[16], dots[16];
+                    for (int64_t t = 0; t < DF; t++) qg[t] = _mm512_loadu_ps(q + g * D + 16 * t);
+                    for (int64_t jj = 0; jj < 16; jj++) {
+                        __m512 a = _mm512_setzero_ps();
+                        if (jj < n)
+                            for (int64_t t = 0; t < DF; t++)
+                                a = _mm512_fmadd_ps(qg[t], _mm512_loadu_ps(blk + (r + jj) * D + 16 * t), a);
+                        dots[jj] = a;
+                    }
+                    const __m512 s16 = _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale));
+                    _mm512_mask_storeu_ps(sc + g * span + p + (r - r0) - lo, live, s16);
+                    const float m = _mm512_mask_reduce_max_ps(live, s16);
+                    if (m > mx[g]) mx[g] = m;
+                }
+            }
+            p += r1 - r0;
+            continue;
+        }
+#endif
+        for (int64_t r = r0; r < r1; r++, p++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = q + g * D, *kr = blk + r * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; d++) s += qg[d] * kr[d];
+                s *= scale;
+                sc[g * span + p - lo] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = sc + g * span, m = mx[g], t = 0.f;
+        for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
+        sum[g] = t;
+    }
+#if defined(__AVX512F__)
+    if (vec) {
+        enum { ACC = 16 };
+        const int64_t DF = D / 16, GB = ACC / DF;
+        for (int64_t g0 = 0; g0 < G; g0 += GB) {  // weighted sum of V, GB query heads per pass
+            __m512 acc[ACC];
+            for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t p = lo; p < hi;) {
+                const int64_t j = (p - first) / bs, r0 = p - first - j * bs;
+                const int64_t r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
+                const float *blk = v + table[j] * bs * D;
+                for (int64_t r = r0; r < r1; r++, p++) {
+                    __m512 row[16];
+                    for (int64_t t = 0; t < DF; t++) row[t] = _mm512_loadu_ps(blk + r * D + 16 * t);
+                    for (int64_t gi = 0; gi < GB; gi++) {
+                        const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] : 0.f);
+                        for (int64_t t = 0; t < DF; t++) acc[gi * DF + t] = _mm512_fmadd_ps(w, row[t], acc[gi * DF + t]);
+                    }
+                }
+            }
+            for (int64_t gi = 0; gi < GB && g0 + gi < G; gi++) {
+                const __m512 inv = _mm512_set1_ps(sum[g0 + gi] > 0.f ? 1.f / sum[g0 + gi] : 0.f);
+                for (int64_t t = 0; t < DF; t++)
+                    _mm512_storeu_ps(out + (g0 + gi) * D + 16 * t, _mm512_mul_ps(acc[gi * DF + t], inv));
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < G * D; i++) out[i] = 0.f;
+    for (int64_t p = lo; p < hi; p++) {
+        const int64_t j = (p - first) / bs, r = p - first - j * bs;
+        const float *vr = v + (table[j] * bs + r) * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float w = sc[g * span + p - lo];
+            for (int64_t d = 0; d < D; d++) out[g * D + d] += w * vr[d];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
+        for (int64_t d = 0; d < D; d++) out[g * D + d] *= inv;
+    }
+}
+
+int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables, int64_t n,
+                     const int64_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, int64_t bs,
+                     int64_t start_block, int64_t window, float scale, float *out, int nthreads) {
+    if (Hkv <= 0 || H % Hkv || H / Hkv > 64) return 1;
+    const int64_t G = H / Hkv;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *sc = malloc(sizeof(float) * (G * (max_len + 1) + 16));
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (!sc) continue;
+                const int64_t first = start_block * bs, hi = lens[b];
+                const int64_t lo = window > 0 && hi - window > first ? hi - window : first;
+                attend_f32(q + (b * H + h * G) * D, k + h * S * D, v + h * S * D, tables + b * n, lo, hi, first,
+                           G, D, bs, scale, out + (b * H + h * G) * D, sc);
+            }
+        free(sc);
     }
     return failed;
 }

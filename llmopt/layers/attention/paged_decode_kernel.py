@@ -1,5 +1,6 @@
 """The paged decode-attention kernel (`paged_decode.c`), built by `llmopt.native` and called through
-ctypes. It reads K/V blocks where they lie (bf16, or int8 / fp8 codes with their scales) instead of
+ctypes. It reads K/V blocks where they lie (bf16, or int8 / fp8 codes with their scales; float32 for an
+fp32 engine) instead of
 gathering them for SDPA (docs/BENCHMARKS.md, "Paged decode kernel"); when it cannot be built, `load()`
 returns None and attention stays on SDPA."""
 
@@ -32,6 +33,10 @@ class PagedDecodeKernel:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
                        ctypes.c_float, ptr, i32]
         fn.restype = ctypes.c_int
+        f32 = lib.paged_decode_f32
+        f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
+        f32.restype = ctypes.c_int
+        self._f32 = f32
         quantize = lib.paged_kv_quantize
         quantize.argtypes = [ptr, i64, i64, i64, i64, ptr, i32, ptr, ptr, ptr, i64]
         quantize.restype = ctypes.c_int
@@ -47,21 +52,30 @@ class PagedDecodeKernel:
 
     @staticmethod
     def supports(q: torch.Tensor, k_pool: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
-        """bf16 queries on a CPU over a bf16 pool or int8 / fp8 codes (uint8 bytes)."""
-        return (q.device.type == "cpu" and q.dtype == torch.bfloat16
-                and k_pool.dtype in (torch.bfloat16, torch.int8, torch.uint8)
+        """bf16 queries on a CPU over a bf16 pool or int8 / fp8 codes (uint8 bytes), or float32 queries over a
+        float32 pool."""
+        kinds = (torch.bfloat16, torch.int8, torch.uint8) if q.dtype == torch.bfloat16 else (torch.float32,)
+        return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and k_pool.dtype in kinds
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERY_GROUP)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
                  lens: torch.Tensor, start_block: int, block_size: int, window: int, scale: float,
                  codes: str | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, H, D]; k_pool, v_pool [Hkv, slots, D] (one layer; with `codes` "int8" / "fp8", their
+        """q [B, H, D] bf16 (or float32, over float32 pools); k_pool, v_pool [Hkv, slots, D] (one layer; with
+        `codes` "int8" / "fp8", their
         codes and k_scale, v_scale [Hkv, slots, 1] float32); blocks [B, n] (the first holds positions from
         start_block * block_size); lens [B]. Returns [B, H*D]."""
         b, h, d = q.shape
         q = q.contiguous()
         out = torch.empty(b, h * d, dtype=q.dtype)
+        if q.dtype == torch.float32:  # a float32 pool (no codes)
+            rc = self._f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), blocks.data_ptr(), blocks.shape[1],
+                           lens.data_ptr(), b, h, k_pool.shape[0], d, k_pool.shape[1], block_size, start_block, window,
+                           scale, out.data_ptr(), torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError("paged decode kernel (float32) failed: a shape it does not take, or no memory")
+            return out
         rc = self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                       None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
                       CODES[codes], blocks.data_ptr(), blocks.shape[1], lens.data_ptr(), b, h, k_pool.shape[0], d,
