@@ -197,35 +197,17 @@ def test_the_kernel_takes_matching_pools_and_not_enforce_eager():
 
 
 @needs_cc
-def test_fp32_engine_decodes_through_the_kernel_and_keeps_its_tokens(tiny_llama):
-    """An fp32 engine's decodes run the kernel over the float32 pool and agree with an enforce_eager engine
-    (gather + SDPA) to float32 rounding: the same greedy tokens, logprobs within 1e-4."""
-    from llmopt import LLM, SamplingParams
-
-    fast = LLM(str(tiny_llama), dtype="float32")
-    eager = LLM(str(tiny_llama), dtype="float32", enforce_eager=True)
-    g = torch.Generator().manual_seed(6)
-    vocab = fast.engine.spec.vocab_size
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    for a, b in zip(fast.generate(prompts, params), eager.generate(prompts, params), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
-            assert abs(la[t] - lb[t]) < 1e-4
-    assert isinstance(fast.engine.runner.attn_backend._kernel, pdk.PagedDecodeKernel)
-    assert eager.engine.runner.attn_backend._kernel is False
-
-
-@needs_cc
-@pytest.mark.parametrize("decode_step", ["eager", "native"])
-def test_bf16_engine_decodes_through_the_kernel(tiny_llama, decode_step):
+@pytest.mark.parametrize(("dtype", "decode_step", "tol"), [("bfloat16", "eager", 0.05), ("bfloat16", "native", 0.05),
+                                                         ("float32", "eager", 1e-4)])
+def test_engine_decodes_through_the_kernel(tiny_llama, dtype, decode_step, tol):
     """A bf16 engine's decode steps run the kernel (from the attention backend layer by layer, or from the
-    native step's program) and agree with an enforce_eager engine (gather + SDPA) up to bf16 rounding: the
-    same greedy tokens, logprobs within a few hundredths."""
+    native step's program), an fp32 engine's over its float32 pool (layer by layer: fp32 has no native step),
+    and agree with an enforce_eager engine (gather + SDPA) up to their rounding: the same greedy tokens,
+    logprobs within a few hundredths (bf16) or 1e-4 (float32)."""
     from llmopt import LLM, SamplingParams
 
-    fast = LLM(str(tiny_llama), dtype="bfloat16", decode_step=decode_step)
-    eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
+    fast = LLM(str(tiny_llama), dtype=dtype, decode_step=decode_step)
+    eager = LLM(str(tiny_llama), dtype=dtype, enforce_eager=True)
     g = torch.Generator().manual_seed(5)
     vocab = fast.engine.spec.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 70)]
@@ -233,7 +215,7 @@ def test_bf16_engine_decodes_through_the_kernel(tiny_llama, decode_step):
     for a, b in zip(fast.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
-            assert abs(la[t] - lb[t]) < 0.05
+            assert abs(la[t] - lb[t]) < tol
     if decode_step == "eager":
         assert isinstance(fast.engine.runner.attn_backend._kernel, pdk.PagedDecodeKernel)
     else:

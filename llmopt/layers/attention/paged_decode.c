@@ -20,7 +20,7 @@
 #include <immintrin.h>
 #endif
 
-enum { CODES_BF16 = 0, CODES_INT8 = 1, CODES_FP8 = 2 };
+enum { CODES_BF16 = 0, CODES_INT8 = 1, CODES_FP8 = 2, CODES_F32 = 3 };  // F32: float32 q, pools and out
 
 // One layer's K or V pool for one KV head, as the kernel reads it: [S, D] bf16 rows, or [S, D] codes with
 // a float scale per row; `conv`: per-thread room for one block of rows turned into bf16.
@@ -237,71 +237,8 @@ static inline __attribute__((always_inline)) void attend_vec(
 }
 #endif
 
-typedef void (*attend_fn)(const uint16_t *, const pool_t *, const pool_t *, const int64_t *, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, uint16_t *, float *);
-#if defined(__AVX512BF16__)
-#define ATTEND_IMPL attend_vec
-#else
-#define ATTEND_IMPL attend
-#endif
-#define ATTEND_FIXED(DD)                                                                                        \
-    static void attend_##DD(const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *t, int64_t lo,   \
-                            int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale,            \
-                            uint16_t *out, float *buf) {                                                         \
-        (void)D;                                                                                                \
-        ATTEND_IMPL(q, k, v, t, lo, hi, first, G, DD, bs, scale, out, buf);                                     \
-    }
-ATTEND_FIXED(64)
-ATTEND_FIXED(128)
-ATTEND_FIXED(256)
-static void attend_any(const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *t, int64_t lo,
-                       int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale, uint16_t *out,
-                       float *buf) {
-    attend(q, k, v, t, lo, hi, first, G, D, bs, scale, out, buf);
-}
-
-// q, out: [B, H, D] bf16; k, v: [Hkv, S, D] (one layer's pool): bf16 (codes 0), or int8 (1) / fp8 e4m3 (2)
-// codes with k_scale, v_scale [Hkv, S] float32; tables: [B, n] pool blocks, the first holding positions
-// from start_block * bs; lens: [B] context lengths; window > 0: attend to the last `window` positions only.
-// Returns 0, or 1 when a shape is unsupported or scratch could not be allocated.
-int paged_decode(const uint16_t *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
-                 int codes, const int64_t *tables, int64_t n, const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
-                 int64_t D, int64_t S, int64_t bs, int64_t start_block, int64_t window, float scale, uint16_t *out,
-                 int nthreads) {
-    if (Hkv <= 0 || H % Hkv || H / Hkv > 64 || codes < 0 || codes > 2) return 1;
-    if (codes != CODES_BF16 && (!k_scale || !v_scale)) return 1;
-    const int64_t G = H / Hkv, esize = codes == CODES_BF16 ? 2 : 1;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    attend_fn fn = D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
-    const int64_t nfloat = 2 * G * D + D + G * (max_len + 1), nconv = codes == CODES_BF16 ? 0 : bs * D;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *buf = malloc(sizeof(float) * nfloat + 2 * nconv + 64);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for collapse(2) schedule(dynamic)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < Hkv; h++) {
-                if (!buf) continue;
-                const int64_t first = start_block * bs, hi = lens[b];
-                const int64_t lo = window > 0 && hi - window > first ? hi - window : first;
-                uint16_t *conv = (uint16_t *)(buf + nfloat);
-                const pool_t kp = {(const char *)k + h * S * D * esize, k_scale ? k_scale + h * S : NULL, codes, conv};
-                const pool_t vp = {(const char *)v + h * S * D * esize, v_scale ? v_scale + h * S : NULL, codes, conv};
-                fn(q + (b * H + h * G) * D, &kp, &vp, tables + b * n, lo, hi, first, G, D, bs, scale,
-                   out + (b * H + h * G) * D, buf);
-            }
-        free(buf);
-    }
-    return failed;
-}
-
-// float32 decode (an fp32 engine): q, out [B, H, D] and k, v [Hkv, S, D] float32, the same arguments as
-// paged_decode otherwise (no codes). Products and sums in float32 with FMAs; for head sizes that are multiples
+// float32 decode (an fp32 engine; paged_decode with CODES_F32): one sequence and KV head over float32 pools
+// [S, D], q and out float32; `sc`: scratch for G * (hi - lo) floats. Products and sums in float32 with FMAs; for head sizes that are multiples
 // of 16 with AVX-512, 16 positions' q.k at a time (hsum16) and the output of up to 16 / (D / 16) query heads in
 // registers over the context; else portably. Reads the blocks where they lie, as paged_decode does: the gather
 // into a padded copy and SDPA's pass over it were ~30% of an fp32 mixed workload (docs/BENCHMARKS.md).
@@ -409,31 +346,72 @@ static void attend_f32(const float *q, const float *k, const float *v, const int
     }
 }
 
-int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables, int64_t n,
-                     const int64_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, int64_t bs,
-                     int64_t start_block, int64_t window, float scale, float *out, int nthreads) {
-    if (Hkv <= 0 || H % Hkv || H / Hkv > 64) return 1;
-    const int64_t G = H / Hkv;
+typedef void (*attend_fn)(const uint16_t *, const pool_t *, const pool_t *, const int64_t *, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, float, uint16_t *, float *);
+#if defined(__AVX512BF16__)
+#define ATTEND_IMPL attend_vec
+#else
+#define ATTEND_IMPL attend
+#endif
+#define ATTEND_FIXED(DD)                                                                                        \
+    static void attend_##DD(const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *t, int64_t lo,   \
+                            int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale,            \
+                            uint16_t *out, float *buf) {                                                         \
+        (void)D;                                                                                                \
+        ATTEND_IMPL(q, k, v, t, lo, hi, first, G, DD, bs, scale, out, buf);                                     \
+    }
+ATTEND_FIXED(64)
+ATTEND_FIXED(128)
+ATTEND_FIXED(256)
+static void attend_any(const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *t, int64_t lo,
+                       int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale, uint16_t *out,
+                       float *buf) {
+    attend(q, k, v, t, lo, hi, first, G, D, bs, scale, out, buf);
+}
+
+// q, out: [B, H, D] bf16; k, v: [Hkv, S, D] (one layer's pool): bf16 (codes 0), or int8 (1) / fp8 e4m3 (2)
+// codes with k_scale, v_scale [Hkv, S] float32; or q, out and k, v all float32 (codes 3); tables: [B, n] pool blocks, the first holding positions
+// from start_block * bs; lens: [B] context lengths; window > 0: attend to the last `window` positions only.
+// Returns 0, or 1 when a shape is unsupported or scratch could not be allocated.
+int paged_decode(const void *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
+                 int codes, const int64_t *tables, int64_t n, const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
+                 int64_t D, int64_t S, int64_t bs, int64_t start_block, int64_t window, float scale, void *out,
+                 int nthreads) {
+    if (Hkv <= 0 || H % Hkv || H / Hkv > 64 || codes < 0 || codes > 3) return 1;
+    const int quantized = codes == CODES_INT8 || codes == CODES_FP8;
+    if (quantized && (!k_scale || !v_scale)) return 1;
+    const int64_t G = H / Hkv, esize = codes == CODES_BF16 ? 2 : codes == CODES_F32 ? 4 : 1;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    attend_fn fn = D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
+    const int64_t nfloat = 2 * G * D + D + G * (max_len + 1), nconv = quantized ? bs * D : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *sc = malloc(sizeof(float) * (G * (max_len + 1) + 16));
-        if (!sc) {
+        float *buf = malloc(sizeof(float) * nfloat + 2 * nconv + 64);
+        if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < Hkv; h++) {
-                if (!sc) continue;
+                if (!buf) continue;
                 const int64_t first = start_block * bs, hi = lens[b];
                 const int64_t lo = window > 0 && hi - window > first ? hi - window : first;
-                attend_f32(q + (b * H + h * G) * D, k + h * S * D, v + h * S * D, tables + b * n, lo, hi, first,
-                           G, D, bs, scale, out + (b * H + h * G) * D, sc);
+                const int64_t at = (b * H + h * G) * D;
+                if (codes == CODES_F32) {
+                    attend_f32((const float *)q + at, (const float *)k + h * S * D, (const float *)v + h * S * D,
+                               tables + b * n, lo, hi, first, G, D, bs, scale, (float *)out + at, buf);
+                    continue;
+                }
+                uint16_t *conv = (uint16_t *)(buf + nfloat);
+                const pool_t kp = {(const char *)k + h * S * D * esize, k_scale ? k_scale + h * S : NULL, codes, conv};
+                const pool_t vp = {(const char *)v + h * S * D * esize, v_scale ? v_scale + h * S : NULL, codes, conv};
+                fn((const uint16_t *)q + at, &kp, &vp, tables + b * n, lo, hi, first, G, D, bs, scale,
+                   (uint16_t *)out + at, buf);
             }
-        free(sc);
+        free(buf);
     }
     return failed;
 }

@@ -16,6 +16,7 @@ import llmopt.native as native
 SOURCE = Path(__file__).with_name("paged_decode.c")
 MAX_QUERY_GROUP = 64  # query heads per KV head the kernel takes (its per-group scratch)
 CODES = {None: 0, "int8": 1, "fp8": 2}  # paged_decode.c's pool kinds, by PagedKVCache.codes
+F32 = 3  # paged_decode.c's float32 kind: q, pools and output all float32 (an fp32 engine)
 
 
 def build(cc: str, cache_dir: Path) -> Path:
@@ -33,10 +34,6 @@ class PagedDecodeKernel:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
                        ctypes.c_float, ptr, i32]
         fn.restype = ctypes.c_int
-        f32 = lib.paged_decode_f32
-        f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i32]
-        f32.restype = ctypes.c_int
-        self._f32 = f32
         quantize = lib.paged_kv_quantize
         quantize.argtypes = [ptr, i64, i64, i64, i64, ptr, i32, ptr, ptr, ptr, i64]
         quantize.restype = ctypes.c_int
@@ -69,16 +66,10 @@ class PagedDecodeKernel:
         b, h, d = q.shape
         q = q.contiguous()
         out = torch.empty(b, h * d, dtype=q.dtype)
-        if q.dtype == torch.float32:  # a float32 pool (no codes)
-            rc = self._f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), blocks.data_ptr(), blocks.shape[1],
-                           lens.data_ptr(), b, h, k_pool.shape[0], d, k_pool.shape[1], block_size, start_block, window,
-                           scale, out.data_ptr(), torch.get_num_threads())
-            if rc != 0:
-                raise RuntimeError("paged decode kernel (float32) failed: a shape it does not take, or no memory")
-            return out
+        kind = F32 if q.dtype == torch.float32 else CODES[codes]
         rc = self._fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                       None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
-                      CODES[codes], blocks.data_ptr(), blocks.shape[1], lens.data_ptr(), b, h, k_pool.shape[0], d,
+                      kind, blocks.data_ptr(), blocks.shape[1], lens.data_ptr(), b, h, k_pool.shape[0], d,
                       k_pool.shape[1], block_size, start_block, window, scale, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("paged decode kernel failed: a shape it does not take, or no memory for its scratch")
