@@ -86,6 +86,15 @@ static inline const uint16_t *block_run(const pool_t *pool, const int64_t *table
     return pool->conv;
 }
 
+// Each query head's scores (G rows of span) -> exp(score - its max), in place; their sums in sum.
+static inline void exp_scores(float *sc, int64_t span, int64_t G, const float *mx, float *sum) {
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = sc + g * span, m = mx[g], t = 0.f;
+        for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
+        sum[g] = t;
+    }
+}
+
 // One sequence and KV head: its G query heads attend over positions lo..hi-1. `table` maps a block
 // index (counted from position `first`) to a pool block. `buf`: scratch for 2*G*D + D + G*(hi-lo) floats.
 static inline __attribute__((always_inline)) void attend(
@@ -112,11 +121,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = sc + g * span, m = mx[g], t = 0.f;
-        for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
-        sum[g] = t;
-    }
+    exp_scores(sc, span, G, mx, sum);
     for (int64_t p = lo, r0, r1; p < hi;) {
         const float *rs;
         const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
@@ -203,11 +208,9 @@ static inline __attribute__((always_inline)) void attend_vec(
             p += n;
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = sc + g * span, m = _mm512_reduce_max_ps(vmx[g]), t = 0.f;
-        for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
-        sum[g] = t;
-    }
+    float mx[64];
+    for (int64_t g = 0; g < G; g++) mx[g] = _mm512_reduce_max_ps(vmx[g]);
+    exp_scores(sc, span, G, mx, sum);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {  // weighted sum of V, GB query heads per pass
         __m512 acc[ACC];
         for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
@@ -297,11 +300,7 @@ static void attend_f32(const float *q, const float *k, const float *v, const int
                 if (s > mx[g]) mx[g] = s;
             }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = sc + g * span, m = mx[g], t = 0.f;
-        for (int64_t i = 0; i < span; i++) { sg[i] = expf(sg[i] - m); t += sg[i]; }
-        sum[g] = t;
-    }
+    exp_scores(sc, span, G, mx, sum);
 #if defined(__AVX512F__)
     if (vec) {
         enum { ACC = 16 };
