@@ -4,7 +4,8 @@
 // codes are turned into bf16 a block at a time (exactly: every int8 and e4m3 value is a bf16 value) and
 // their scales applied to the scores (K) and to the softmax weights (V), so a quantized pool costs a
 // conversion of the codes, not a copy of the context. Head sizes 64, 128 and 256 run vectorized with
-// AVX512-BF16 where the CPU has it (attend_vec), others portably. Built and loaded by
+// AVX512-BF16 where the CPU has it (attend_vec), others portably. An fp32 engine's pool holds float32
+// values, and its queries and outputs are float32 too (attend_f32). Built and loaded by
 // paged_decode_kernel.py; head_major.py calls it for decode groups on a CPU, and so does the native
 // decode step (llmopt/step), which also writes quantized K/V rows with `paged_kv_quantize` below.
 // Compiled with -ffast-math (vectorized expf and reductions) but linked without it, so loading it does
@@ -241,10 +242,11 @@ static inline __attribute__((always_inline)) void attend_vec(
 #endif
 
 // float32 decode (an fp32 engine; paged_decode with CODES_F32): one sequence and KV head over float32 pools
-// [S, D], q and out float32; `sc`: scratch for G * (hi - lo) floats. Products and sums in float32 with FMAs; for head sizes that are multiples
-// of 16 with AVX-512, 16 positions' q.k at a time (hsum16) and the output of up to 16 / (D / 16) query heads in
-// registers over the context; else portably. Reads the blocks where they lie, as paged_decode does: the gather
-// into a padded copy and SDPA's pass over it were ~30% of an fp32 mixed workload (docs/BENCHMARKS.md).
+// [S, D], q and out float32; `sc`: scratch for G * (hi - lo) floats. Products and sums in float32 with FMAs;
+// for head sizes that are multiples of 16 with AVX-512, 16 positions' q.k at a time (hsum16) and the output
+// of up to 16 / (D / 16) query heads in registers over the context; else portably. Reads the blocks where
+// they lie: the gather into a padded copy and SDPA's pass over it were ~30% of an fp32 mixed workload
+// (docs/BENCHMARKS.md, "fp32 decodes on the kernel").
 static void attend_f32(const float *q, const float *k, const float *v, const int64_t *table, int64_t lo,
                        int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale, float *out,
                        float *sc) {
