@@ -23,8 +23,8 @@
 
 enum { CODES_BF16 = 0, CODES_INT8 = 1, CODES_FP8 = 2, CODES_F32 = 3 };  // F32: float32 q, pools and out
 
-// One layer's K or V pool for one KV head, as the kernel reads it: [S, D] bf16 rows, or [S, D] codes with
-// a float scale per row; `conv`: per-thread room for one block of rows turned into bf16.
+// One layer's K or V pool for one KV head, as the kernel reads it: [S, D] bf16 or float32 rows, or [S, D]
+// codes with a float scale per row; `conv`: per-thread room for one block of rows turned into bf16.
 typedef struct {
     const void *data;
     const float *scale;  // NULL for bf16
@@ -63,23 +63,26 @@ static void codes_to_bf16(const void *src, int codes, int64_t n, uint16_t *dst) 
         dst[i] = f_to_bf16(codes == CODES_INT8 ? (float)((const int8_t *)src)[i] : fp8_to_f(((const uint8_t *)src)[i]));
 }
 
-// The block holding position p (blocks counted from position `first`) as bf16 rows (a quantized pool's
-// rows r0..r1-1 converted into pool->conv), its row scales in *rs (NULL for bf16), and in *r0..*r1 the
-// rows of it that positions p..hi-1 use. Prefetches the next block of the run.
-static inline const uint16_t *block_run(const pool_t *pool, const int64_t *table, int64_t p, int64_t hi,
-                                        int64_t first, int64_t bs, int64_t D, int64_t *r0, int64_t *r1,
-                                        const float **rs) {
+// Bytes per stored value of a pool kind.
+static inline int64_t pool_esize(int codes) { return codes == CODES_BF16 ? 2 : codes == CODES_F32 ? 4 : 1; }
+
+// The block holding position p (blocks counted from position `first`) as rows of values (bf16 or float32 as
+// stored; a quantized pool's rows r0..r1-1 converted to bf16 into pool->conv), its row scales in *rs (NULL
+// unless quantized), and in *r0..*r1 the rows of it that positions p..hi-1 use. Prefetches the next block.
+static inline const void *block_run(const pool_t *pool, const int64_t *table, int64_t p, int64_t hi,
+                                    int64_t first, int64_t bs, int64_t D, int64_t *r0, int64_t *r1,
+                                    const float **rs) {
     const int64_t j = (p - first) / bs;
-    const int64_t esize = pool->codes == CODES_BF16 ? 2 : 1;
+    const int64_t esize = pool_esize(pool->codes);
     *r0 = p - first - j * bs;
     *r1 = *r0 + hi - p < bs ? *r0 + hi - p : bs;
     if (p + *r1 - *r0 < hi) {
         const char *next = (const char *)pool->data + table[j + 1] * bs * D * esize;
         for (int64_t i = 0; i < bs * D * esize; i += 64) __builtin_prefetch(next + i, 0, 3);
     }
-    if (pool->codes == CODES_BF16) {
+    if (pool->codes == CODES_BF16 || pool->codes == CODES_F32) {
         *rs = NULL;
-        return (const uint16_t *)pool->data + table[j] * bs * D;
+        return (const char *)pool->data + table[j] * bs * D * esize;
     }
     *rs = pool->scale + table[j] * bs;
     codes_to_bf16((const char *)pool->data + (table[j] * bs + *r0) * D, pool->codes, (*r1 - *r0) * D,
@@ -108,7 +111,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t g = 0; g < G; g++) { mx[g] = -3.0e38f; sum[g] = 0.f; }
     for (int64_t p = lo, r0, r1; p < hi;) {  // block by block: one division per block, not per position
         const float *rs;
-        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
+        const uint16_t *blk = (const uint16_t *)block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
         for (int64_t r = r0; r < r1; r++, p++) {
             const uint16_t *kr = blk + r * D;
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(kr[d]);
@@ -125,7 +128,7 @@ static inline __attribute__((always_inline)) void attend(
     exp_scores(sc, span, G, mx, sum);
     for (int64_t p = lo, r0, r1; p < hi;) {
         const float *rs;
-        const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
+        const uint16_t *blk = (const uint16_t *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
         for (int64_t r = r0; r < r1; r++, p++) {
             const uint16_t *vr = blk + r * D;
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f(vr[d]);
@@ -186,7 +189,7 @@ static inline __attribute__((always_inline)) void attend_vec(
     for (int64_t g = 0; g < G; g++) vmx[g] = _mm512_set1_ps(-3.0e38f);
     for (int64_t p = lo, r0, r1; p < hi;) {  // scores, 16 positions of a block at a time
         const float *rs;
-        const uint16_t *blk = block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
+        const uint16_t *blk = (const uint16_t *)block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
         for (int64_t r = r0; r < r1; r += 16) {
             const int64_t n = r1 - r < 16 ? r1 - r : 16;
             const __mmask16 live = (__mmask16)((1u << n) - 1);
@@ -217,7 +220,7 @@ static inline __attribute__((always_inline)) void attend_vec(
         for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t p = lo, r0, r1; p < hi;) {
             const float *rs;
-            const uint16_t *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
+            const uint16_t *blk = (const uint16_t *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
             for (int64_t r = r0; r < r1; r++, p++) {
                 __m512 row[16];
                 for (int64_t t = 0; t < DF; t++) row[t] = bf16x16_to_f32(blk + r * D + 16 * t);
@@ -247,7 +250,7 @@ static inline __attribute__((always_inline)) void attend_vec(
 // of up to 16 / (D / 16) query heads in registers over the context; else portably. Reads the blocks where
 // they lie: the gather into a padded copy and SDPA's pass over it were ~30% of an fp32 mixed workload
 // (docs/BENCHMARKS.md, "fp32 decodes on the kernel").
-static void attend_f32(const float *q, const float *k, const float *v, const int64_t *table, int64_t lo,
+static void attend_f32(const float *q, const pool_t *k, const pool_t *v, const int64_t *table, int64_t lo,
                        int64_t hi, int64_t first, int64_t G, int64_t D, int64_t bs, float scale, float *out,
                        float *sc) {
     const int64_t span = hi - lo;
@@ -258,14 +261,9 @@ static void attend_f32(const float *q, const float *k, const float *v, const int
 #else
     const int vec = 0;
 #endif
-    for (int64_t p = lo; p < hi;) {  // scores, a block at a time
-        const int64_t j = (p - first) / bs, r0 = p - first - j * bs;
-        const int64_t r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
-        const float *blk = k + table[j] * bs * D;
-        if (p + r1 - r0 < hi) {
-            const char *next = (const char *)(k + table[j + 1] * bs * D);
-            for (int64_t i = 0; i < bs * D * 4; i += 64) __builtin_prefetch(next + i, 0, 3);
-        }
+    for (int64_t p = lo, r0, r1; p < hi;) {  // scores, a block at a time
+        const float *rs;
+        const float *blk = (const float *)block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
 #if defined(__AVX512F__)
         if (vec) {
             const int64_t DF = D / 16;
@@ -310,10 +308,9 @@ static void attend_f32(const float *q, const float *k, const float *v, const int
         for (int64_t g0 = 0; g0 < G; g0 += GB) {  // weighted sum of V, GB query heads per pass
             __m512 acc[ACC];
             for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
-            for (int64_t p = lo; p < hi;) {
-                const int64_t j = (p - first) / bs, r0 = p - first - j * bs;
-                const int64_t r1 = r0 + hi - p < bs ? r0 + hi - p : bs;
-                const float *blk = v + table[j] * bs * D;
+            for (int64_t p = lo, r0, r1; p < hi;) {
+                const float *rs;
+                const float *blk = (const float *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
                 for (int64_t r = r0; r < r1; r++, p++) {
                     __m512 row[16];
                     for (int64_t t = 0; t < DF; t++) row[t] = _mm512_loadu_ps(blk + r * D + 16 * t);
@@ -333,13 +330,14 @@ static void attend_f32(const float *q, const float *k, const float *v, const int
     }
 #endif
     for (int64_t i = 0; i < G * D; i++) out[i] = 0.f;
-    for (int64_t p = lo; p < hi; p++) {
-        const int64_t j = (p - first) / bs, r = p - first - j * bs;
-        const float *vr = v + (table[j] * bs + r) * D;
-        for (int64_t g = 0; g < G; g++) {
-            const float w = sc[g * span + p - lo];
-            for (int64_t d = 0; d < D; d++) out[g * D + d] += w * vr[d];
-        }
+    for (int64_t p = lo, r0, r1; p < hi;) {
+        const float *rs;
+        const float *blk = (const float *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
+        for (int64_t r = r0; r < r1; r++, p++)
+            for (int64_t g = 0; g < G; g++) {
+                const float w = sc[g * span + p - lo], *vr = blk + r * D;
+                for (int64_t d = 0; d < D; d++) out[g * D + d] += w * vr[d];
+            }
     }
     for (int64_t g = 0; g < G; g++) {
         const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
@@ -381,7 +379,7 @@ int paged_decode(const void *q, const void *k, const void *v, const float *k_sca
     if (Hkv <= 0 || H % Hkv || H / Hkv > 64 || codes < 0 || codes > 3) return 1;
     const int quantized = codes == CODES_INT8 || codes == CODES_FP8;
     if (quantized && (!k_scale || !v_scale)) return 1;
-    const int64_t G = H / Hkv, esize = codes == CODES_BF16 ? 2 : codes == CODES_F32 ? 4 : 1;
+    const int64_t G = H / Hkv, esize = pool_esize(codes);
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     attend_fn fn = D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
@@ -401,16 +399,15 @@ int paged_decode(const void *q, const void *k, const void *v, const float *k_sca
                 const int64_t first = start_block * bs, hi = lens[b];
                 const int64_t lo = window > 0 && hi - window > first ? hi - window : first;
                 const int64_t at = (b * H + h * G) * D;
-                if (codes == CODES_F32) {
-                    attend_f32((const float *)q + at, (const float *)k + h * S * D, (const float *)v + h * S * D,
-                               tables + b * n, lo, hi, first, G, D, bs, scale, (float *)out + at, buf);
-                    continue;
-                }
                 uint16_t *conv = (uint16_t *)(buf + nfloat);
                 const pool_t kp = {(const char *)k + h * S * D * esize, k_scale ? k_scale + h * S : NULL, codes, conv};
                 const pool_t vp = {(const char *)v + h * S * D * esize, v_scale ? v_scale + h * S : NULL, codes, conv};
-                fn((const uint16_t *)q + at, &kp, &vp, tables + b * n, lo, hi, first, G, D, bs, scale,
-                   (uint16_t *)out + at, buf);
+                if (codes == CODES_F32)
+                    attend_f32((const float *)q + at, &kp, &vp, tables + b * n, lo, hi, first, G, D, bs, scale,
+                               (float *)out + at, buf);
+                else
+                    fn((const uint16_t *)q + at, &kp, &vp, tables + b * n, lo, hi, first, G, D, bs, scale,
+                       (uint16_t *)out + at, buf);
             }
         free(buf);
     }

@@ -1,8 +1,7 @@
 """The paged decode-attention kernel (`paged_decode.c`), built by `llmopt.native` and called through
 ctypes. It reads K/V blocks where they lie (bf16, or int8 / fp8 codes with their scales; float32 for an
-fp32 engine) instead of
-gathering them for SDPA (docs/BENCHMARKS.md, "Paged decode kernel"); when it cannot be built, `load()`
-returns None and attention stays on SDPA."""
+fp32 engine) instead of gathering them for SDPA (docs/BENCHMARKS.md, "Paged decode kernel"); when it
+cannot be built, `load()` returns None and attention stays on SDPA."""
 
 from __future__ import annotations
 
@@ -60,9 +59,8 @@ class PagedDecodeKernel:
                  codes: str | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] bf16 (or float32, over float32 pools); k_pool, v_pool [Hkv, slots, D] (one layer; with
-        `codes` "int8" / "fp8", their
-        codes and k_scale, v_scale [Hkv, slots, 1] float32); blocks [B, n] (the first holds positions from
-        start_block * block_size); lens [B]. Returns [B, H*D]."""
+        `codes` "int8" / "fp8", their codes and k_scale, v_scale [Hkv, slots, 1] float32); blocks [B, n] (the
+        first holds positions from start_block * block_size); lens [B]. Returns [B, H*D]."""
         b, h, d = q.shape
         q = q.contiguous()
         out = torch.empty(b, h * d, dtype=q.dtype)
