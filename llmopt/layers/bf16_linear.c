@@ -80,7 +80,8 @@ static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table) {
     return (__m512bh)_mm512_permutexvar_epi16(codes, table);
 }
 
-// rows x[0..mt) against one panel of nv vectors; `valid` of its outputs are written (the rest is padding).
+// rows x[0..mt) against nv vectors of a panel whose pair rows hold vstride vectors (nv < vstride: a part of
+// the panel, wp at its first vector); `valid` of its outputs are written (the rest is padding).
 // `group` > 0: each group of that many inputs is summed apart and folded in by gscale (the group scales of this
 // panel's outputs, gstride bf16 apart from one group to the next); the weights are then unscaled codes.
 // Inlined with constant mt, nv and int8 (see panel) so the accumulators stay in registers.
@@ -333,8 +334,9 @@ int bf16_linear_amx_available(void) { return 0; }
 #endif
 
 #ifdef __AVX512BF16__
-// The work both paths share: items of one panel x `chunk` rows over the threads, each int8 panel widened to bf16
-// once per item when `widen`, then the rows of the item by AMX tiles (`amx`) or VNNI passes of MT rows.
+// The work both paths share: items of one panel x `chunk` rows over the threads, each int8 or int4 panel
+// widened to bf16 once per item when `widen`, then the rows of the item by AMX tiles (`amx`) or VNNI passes of
+// MT rows (int4 not widened: passes of up to MT_GROUPED rows with group folds, panel_int4).
 static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
                const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int amx, int64_t group,
                const uint16_t *gscale) {
