@@ -18,7 +18,8 @@ from llmopt.layers.attention.kv_codes import decode
 from llmopt.step.program import OP_ATTEND
 
 BS = 16
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 
 
 def _reference(q, k_pool, v_pool, blocks, lens, start_block, window, scale):
@@ -192,7 +193,7 @@ def test_the_kernel_takes_matching_pools_and_not_enforce_eager():
     assert get_backend(torch.device("cpu"), 4, allow_compiled=False).decode_kernel(q.float(), fp32, attn) is None
     assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), plain, attn) is None  # mixed dtypes
     assert get_backend(torch.device("cpu"), 4).decode_kernel(q, fp32, attn) is None
-    if shutil.which("cc") or shutil.which("gcc"):
+    if HAS_CC:
         assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), fp32, attn) is not None
 
 
