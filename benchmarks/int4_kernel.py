@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from kernel_ab import source_at  # benchmarks/: the kernel source at a git revision
 
 import llmopt.native as native
 from llmopt.layers import packed_linear
@@ -35,7 +35,6 @@ SHAPES = {  # (out, in) of q|k|v, o, gate|up, down
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
 }
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(out_f: int, in_f: int, group: int, tinygemm: bool) -> Int4WeightOnlyLinear:
@@ -52,10 +51,7 @@ def build(out_f: int, in_f: int, group: int, tinygemm: bool) -> Int4WeightOnlyLi
 
 def kernel_at(rev: str, tmp: Path) -> packed_linear.Bf16LinearKernel:
     """bf16_linear.c as it was at `rev`, built and loaded apart from the tree's."""
-    source = tmp / packed_linear.SOURCE.name
-    rel = packed_linear.SOURCE.resolve().relative_to(ROOT)
-    source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], check=True,
-                                      capture_output=True).stdout)
+    source = source_at(rev, packed_linear.SOURCE, tmp / packed_linear.SOURCE.name)
     cc = native.compiler()
     if cc is None:
         raise SystemExit("no C compiler: the kernel cannot be built here")

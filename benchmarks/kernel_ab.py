@@ -39,8 +39,10 @@ KERNELS = {  # name -> (module that loads it, its wrapper class)
 
 def source_at(rev: str, path: Path, out: Path) -> Path:
     """The kernel's source file as it was at `rev`, written to `out`."""
-    rel = path.resolve().relative_to(Path(__file__).resolve().parents[1])
-    out.write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True).stdout)
+    root = Path(__file__).resolve().parents[1]
+    rel = path.resolve().relative_to(root)
+    out.write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], check=True,
+                                   capture_output=True).stdout)
     return out
 
 
