@@ -1,13 +1,14 @@
-"""W4A16 per decoder layer: our VNNI-panel int4 kernel against torch's tinygemm CPU kernel, or against our
-own kernel's source at a git revision, side by side.
+"""W4A16 per decoder layer: our VNNI-panel int4 kernel against torch's tinygemm CPU kernel, against our
+own kernel's source at a git revision, or against itself with AMX tiles turned off, side by side.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/int4_kernel.py [--shape 1b|8b|smollm2] [--group 128]
-        [--rows 1,4,16,64] [--rounds 20] [--rev REV]
+        [--rows 1,4,16,64] [--rounds 20] [--rev REV | --amx-off]
 
 The four linears of one decoder layer of the shape (q|k|v, o, gate|up, down), symmetric int4 from random
 weights, built as `Int4WeightOnlyLinear`: on our kernel (the default where the CPU has AVX512-BF16) and, as
 the other side, on tinygemm (`_weight_int4pack_mm_for_cpu`), or with `--rev` on `bf16_linear.c` as it was
-at REV, built next to the tree's and loaded in the same process (the same packed weights). Rounds
+at REV, built next to the tree's and loaded in the same process (the same packed weights), or with
+`--amx-off` on the tree's kernel with its int4 AMX path turned off (where the CPU has AMX). Rounds
 alternate the two, and the median of each is kept; GB/s is the packed weights and scales read per call over
 that time.
 """
@@ -65,18 +66,25 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--rev", help="the other side is our kernel at this git revision, not tinygemm")
+    ap.add_argument("--amx-off", action="store_true", help="the other side is our kernel without int4 AMX tiles")
     args = ap.parse_args()
     torch.manual_seed(0)
-    other = f"ours at {args.rev}" if args.rev else "tinygemm"
+    other = f"ours at {args.rev}" if args.rev else "ours, no AMX" if args.amx_off else "tinygemm"
     with tempfile.TemporaryDirectory(prefix="int4-kernel-") as tmp:
         shapes = SHAPES[args.shape]
         ours = [build(o, i, args.group, False) for o, i in shapes]
         assert all(m.mode == "cpu-vnni-int4" for m in ours), "our kernel does not run on this CPU"
+        kernel = ours[0]._vnni
+        amx_rows = {"ours": kernel.amx_min_rows[torch.uint8], other: kernel.amx_min_rows[torch.uint8]}
         if args.rev:  # the same weights on the other library
             old = kernel_at(args.rev, Path(tmp))
             theirs = [copy.copy(m) for m in ours]  # shares the packed buffers
             for m in theirs:
                 m._vnni = old
+        elif args.amx_off:
+            if not kernel.amx:
+                raise SystemExit("this CPU (or its kernel) lends no AMX tiles")
+            theirs, amx_rows[other] = ours, 10**9
         else:
             theirs = [build(o, i, args.group, True) for o, i in shapes]
         layers = {"ours": ours, other: theirs}
@@ -89,6 +97,7 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in layers}
             for r in range(args.rounds + 2):
                 for name in (("ours", other) if r % 2 else (other, "ours")):
+                    kernel.amx_min_rows[torch.uint8] = amx_rows[name]
                     t0 = time.perf_counter()
                     for m, x in zip(layers[name], xs, strict=True):
                         m(x)

@@ -21,7 +21,8 @@
 // the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16 by one table
 // lookup (vpermw) per 32 weights. Past that (prefill), each panel is dequantized once per work item to bf16
 // (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
-// the folds cost a fifth of the compute-bound passes' speed.
+// the folds cost a fifth of the compute-bound passes' speed. On AMX tiles (bf16_linear_int4_amx, which
+// packed_linear.py picks from 5 rows) the panels are dequantized the same way at every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <string.h>
@@ -203,19 +204,24 @@ static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
 // vLLM dequantize and the passes over it need no group folds. gscale: this panel's scales, gstride apart.
 static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const uint16_t *gscale,
                              int64_t gstride, int64_t group, uint16_t *out) {
-    const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
-    for (int64_t kp = 0; kp < K / 2; kp++) {
-        const uint16_t *gs = gscale + (2 * kp / group) * gstride;
-        for (int64_t v = 0; v < width / 16; v++) {
-            const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (kp * width + v * 16))));
-            const __m512 s = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
-            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(d, low), eight)), s);
-            const __m512 hi = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(d, 4), low), eight)), s);
-            const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-            const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-            _mm512_storeu_si512((void *)(out + (kp * width + v * 16) * 2), _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
-        }
+    // q - 8 as float32 by a permute on the nibble (vpermps reads an index's low 4 bits), the products exact in
+    // float32 (a bf16 scale times |q - 8| <= 8), both halves rounded by one cvtne2ps and put back in pairs
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // element 2i: i, 2i + 1: 16 + i
+    const int nv = (int)(width / 16);
+    for (int64_t g0 = 0; g0 < K / 2; g0 += group / 2) {
+        __m512 s[NV];
+        const uint16_t *gs = gscale + (2 * g0 / group) * gstride;  // the group's scales, constant over its k
+        for (int v = 0; v < nv; v++) s[v] = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
+        for (int64_t kp = g0; kp < g0 + group / 2; kp++)
+            for (int v = 0; v < nv; v++) {
+                const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (kp * width + v * 16))));
+                const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(d, codes), s[v]);
+                const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), codes), s[v]);
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in elements 0-15, hi in 16-31
+                _mm512_storeu_si512((void *)(out + (kp * width + v * 16) * 2), _mm512_permutexvar_epi16(pairs, both));
+            }
     }
 }
 #endif
@@ -227,7 +233,8 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // x) by two B tiles into four float32 C tiles, and one tdpbf16ps does 16 x 16 x 32 products where vdpbf16ps
 // does 16 x 2. packed_linear.py's AMX_MIN_ROWS picks it by rows: bf16 from one row (at one row both kernels read
 // the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 past a few rows (its
-// panels are widened to bf16 first). Past ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call
+// panels are widened to bf16 first), int4 from 5 rows (its panels dequantized to bf16 first, as past
+// WIDEN_ROWS_INT4 rows; below 5 rows the int4 passes' exact products are faster than the dequantizing). Past ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call
 // (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
 // tried and did not pay.
 #include <sys/syscall.h>
@@ -427,9 +434,8 @@ int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
 }
 
 // W4A16: y[M, N] = x[M, K] @ ((q - 8) * s)^T + bias, the int4 panels and group scales of the header comment;
-// group even, dividing K. Past WIDEN_ROWS_INT4 rows each panel is dequantized to bf16 once per work item. The
-// AMX path is not used (its dequantized panels would suit it; not run on an AMX CPU yet). Returns as
-// bf16_linear.
+// group even, dividing K. Past WIDEN_ROWS_INT4 rows each panel is dequantized to bf16 once per work item.
+// Returns as bf16_linear, and 3 where the group does not fit K.
 int bf16_linear_int4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *wp, const uint16_t *gscale, int64_t group,
                      const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__
@@ -439,4 +445,18 @@ int bf16_linear_int4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *wp,
     (void)x; (void)M; (void)K; (void)wp; (void)gscale; (void)group; (void)bias; (void)N; (void)y; (void)nthreads;
     return 1;
 #endif
+}
+
+// bf16_linear_int4's contract on AMX tiles: each panel dequantized to bf16 once per work item (as past
+// WIDEN_ROWS_INT4 rows), then AMX tiles; K a multiple of 32. Returns 1 where the CPU, compiler or OS lends no AMX.
+int bf16_linear_int4_amx(const uint16_t *x, int64_t M, int64_t K, const uint8_t *wp, const uint16_t *gscale,
+                         int64_t group, const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
+#ifdef HAVE_AMX
+    if (group <= 0 || group % 2 || K % group) return 3;
+    if (bf16_linear_amx_available() && K % AMX_K == 0)
+        return run(x, M, K, wp, W_INT4, NULL, bias, N, y, nthreads, 1, group, gscale);
+#else
+    (void)x; (void)M; (void)K; (void)wp; (void)gscale; (void)group; (void)bias; (void)N; (void)y; (void)nthreads;
+#endif
+    return 1;
 }

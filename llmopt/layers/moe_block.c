@@ -37,7 +37,7 @@ typedef struct {
 } klinear_t;
 
 typedef struct {
-    const void *linear, *linear_amx, *linear_int4, *act;  // kernel addresses
+    const void *linear, *linear_amx, *linear_int4, *linear_int4_amx, *act;  // kernel addresses
     int64_t hidden, num_experts, top_k, inter, shared_inter;
     int32_t norm_topk, gelu;
     klinear_t router;                                 // [num_experts, hidden]
@@ -52,10 +52,11 @@ static int run_linear(const moe_t *m, const klinear_t *l, const uint16_t *x, int
             for (int64_t j = 0; j < l->in; j++) gathered[t * l->in + j] = x[t * l->in + l->perm[j]];
         x = gathered;
     }
+    const int amx = l->amx_min_rows >= 0 && rows >= l->amx_min_rows;
     if (l->storage == 2)
-        return ((linear4_fn)m->linear_int4)(x, rows, l->in, (const uint8_t *)l->packed, l->scale, l->group, l->bias,
-                                            l->out, y, nt);
-    const linear_fn fn = (linear_fn)(l->amx_min_rows >= 0 && rows >= l->amx_min_rows ? m->linear_amx : m->linear);
+        return ((linear4_fn)(amx ? m->linear_int4_amx : m->linear_int4))(
+            x, rows, l->in, (const uint8_t *)l->packed, l->scale, l->group, l->bias, l->out, y, nt);
+    const linear_fn fn = (linear_fn)(amx ? m->linear_amx : m->linear);
     return fn(x, rows, l->in, l->packed, l->storage == 1, l->scale, l->bias, l->out, y, nt);
 }
 

@@ -24,11 +24,13 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a MoE expert's projection (SparseMoeBlock's naming)
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 PANEL = 64  # outputs per panel of the VNNI layout (bf16_linear.c's PANEL)
+INT4_AMX_ROWS = 5  # measured on SmolLM2, 1.2B and 8B shapes (docs/BENCHMARKS.md, "AMX")
 AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multiple of it for the AMX path
 # rows from which AMX tiles run a call where the CPU has them (docs/BENCHMARKS.md, "AMX"): bf16 weights at every
 # row count (even with one row AMX streams the weight as fast, and then every batch size rounds alike); int8
-# weights widen a panel to bf16 first, which pays only past a few rows
-AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 4}
+# weights widen a panel to bf16 first, which pays only past a few rows; int4 panels (uint8 codes) are dequantized
+# first, and below that many rows the int4 kernel's own passes (exact products, no widening) are faster
+AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 4, torch.uint8: INT4_AMX_ROWS}
 
 
 class Bf16LinearKernel:
@@ -41,9 +43,10 @@ class Bf16LinearKernel:
         for fn in (lib.bf16_linear, lib.bf16_linear_amx):
             fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64, ptr, ctypes.c_int]
             fn.restype = ctypes.c_int
-        lib.bf16_linear_int4.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
-        lib.bf16_linear_int4.restype = ctypes.c_int
-        self._int4 = lib.bf16_linear_int4
+        for fn in (lib.bf16_linear_int4, lib.bf16_linear_int4_amx):
+            fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        self._int4, self._int4_amx = lib.bf16_linear_int4, lib.bf16_linear_int4_amx
         self.available = bool(lib.bf16_linear_available())
         self.amx = self.available and bool(lib.bf16_linear_amx_available())
         self.amx_min_rows = dict(AMX_MIN_ROWS)
@@ -52,11 +55,12 @@ class Bf16LinearKernel:
     def addresses(self) -> dict[str, int]:
         """The C functions' addresses, for callers that run them from C (llmopt/step/decode_step.c)."""
         return {name: ctypes.cast(fn, ctypes.c_void_p).value or 0
-                for name, fn in (("linear", self._vnni), ("linear_amx", self._amx), ("linear_int4", self._int4))}
+                for name, fn in (("linear", self._vnni), ("linear_amx", self._amx), ("linear_int4", self._int4),
+                                 ("linear_int4_amx", self._int4_amx))}
 
     def uses_amx(self, m: int, k: int, weight_dtype: torch.dtype) -> bool:
-        """Whether a call of m rows over k inputs (weights of `weight_dtype`) runs on AMX tiles, else on the
-        VNNI kernel."""
+        """Whether a call of m rows over k inputs (weights of `weight_dtype`: bf16, int8, or uint8 for int4
+        panels) runs on AMX tiles, else on the VNNI kernel."""
         return self.amx and m >= self.amx_min_rows[weight_dtype] and k % AMX_K == 0
 
     def amx_from_rows(self, k: int, weight_dtype: torch.dtype) -> int:
@@ -86,7 +90,8 @@ class Bf16LinearKernel:
         """x2 @ ((q - 8) * s).T + bias: x2 [M, K] bf16 contiguous; `packed` and `gscale` from pack_int4_vnni."""
         m, k = x2.shape
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = self._int4(x2.data_ptr(), m, k, packed.data_ptr(), gscale.data_ptr(), group, _ptr(bias), n,
+        fn = self._int4_amx if self.uses_amx(m, k, torch.uint8) else self._int4
+        rc = fn(x2.data_ptr(), m, k, packed.data_ptr(), gscale.data_ptr(), group, _ptr(bias), n,
                         out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("bf16 linear kernel (int4): " + {1: "no AVX512-BF16 in this build", 2: "out of memory",

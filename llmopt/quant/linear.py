@@ -287,7 +287,8 @@ class Int4WeightOnlyLinear(_QuantLinear):
         if self.mode != "cpu-vnni-int4":
             return None
         return KernelLinear("int4", self.packed, self.in_features, self.out_features, scale=self.gscale,
-                            bias=self.kernel_bias, group=self.kernel_group_size, perm=self.perm)
+                            bias=self.kernel_bias, group=self.kernel_group_size, perm=self.perm,
+                            amx_min_rows=self._vnni.amx_from_rows(self.in_features, torch.uint8))
 
 
 class Int8WeightOnlyLinear(_QuantLinear):

@@ -35,7 +35,7 @@ typedef int (*moe_fn)(const void *, const uint16_t *, int64_t, uint16_t *, int64
 
 typedef struct {  // the kernels, from native_ops.c, bf16_linear.c, paged_decode.c and moe_block.c (moe: NULL where
                   // it cannot be built; then no program holds a MOE op)
-    void *norm, *rotary, *act, *linear, *linear_amx, *linear_int4, *attend, *kv_quantize, *moe;
+    void *norm, *rotary, *act, *linear, *linear_amx, *linear_int4, *linear_int4_amx, *attend, *kv_quantize, *moe;
 } kernels_t;
 
 enum { OP_NORM = 0, OP_HEAD_NORM = 1, OP_LINEAR = 2, OP_GATHER_COLS = 3, OP_ROTARY = 4, OP_KV_WRITE = 5,
@@ -100,13 +100,16 @@ static int run_op(const kernels_t *k, const op_t *o, const step_t *s) {
             ((norm_fn)k->norm)(o->a + t * o->n[0] + o->n[2], o->n[1], NULL, NULL, (const uint16_t *)o->p[0], o->f[0],
                                o->i[0], o->out + t * o->n[3] + o->n[4], o->n[5], o->n[1], nt);
         return 0;
-    case OP_LINEAR:
+    case OP_LINEAR: {
+        const int amx = o->n[3] >= 0 && T >= o->n[3];
         if (o->i[0] == 2)
-            return ((linear4_fn)k->linear_int4)(o->a, T, o->n[0], (const uint8_t *)o->p[0], (const uint16_t *)o->p[1],
-                                                o->n[2], (const uint16_t *)o->p[2], o->n[1], o->out, nt);
-        return ((linear_fn)(o->n[3] >= 0 && T >= o->n[3] ? k->linear_amx : k->linear))(
+            return ((linear4_fn)(amx ? k->linear_int4_amx : k->linear_int4))(
+                o->a, T, o->n[0], (const uint8_t *)o->p[0], (const uint16_t *)o->p[1], o->n[2],
+                (const uint16_t *)o->p[2], o->n[1], o->out, nt);
+        return ((linear_fn)(amx ? k->linear_amx : k->linear))(
             o->a, T, o->n[0], o->p[0], o->i[0], (const uint16_t *)o->p[1], (const uint16_t *)o->p[2], o->n[1], o->out,
             nt);
+    }
     case OP_GATHER_COLS: {
         const int32_t *perm = (const int32_t *)o->p[0];
         for (int64_t t = 0; t < T; t++)

@@ -38,8 +38,8 @@ DG_FIELDS = 2 + 3 * MAX_KV_GROUPS
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_void_p) for n in ("norm", "rotary", "act", "linear", "linear_amx", "linear_int4", "attend",
-                                               "kv_quantize", "moe")]
+    _fields_ = [(n, ctypes.c_void_p) for n in ("norm", "rotary", "act", "linear", "linear_amx", "linear_int4",
+                                               "linear_int4_amx", "attend", "kv_quantize", "moe")]
 
 
 class Step(ctypes.Structure):

@@ -215,16 +215,23 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
 
 
 @needs_vnni
-@pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 32), (130, 576, 64), (64, 256, 128), (100, 96, 96)])
-def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k, group):
+@pytest.mark.parametrize("path", ["vnni", "amx"])
+@pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 32), (130, 576, 64), (64, 256, 128), (100, 96, 96), (20, 48, 16)])
+def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k, group, path, monkeypatch):
     """W4A16 on the VNNI panels (bf16_linear_int4). Up to the widening threshold (64 rows) nibbles are decoded
     exactly and each group is summed and folded in by its scale: within the float32-summation bound of the
-    exact product. Past it each panel is dequantized once to bf16 (q - 8) * s, rounded as torch rounds that
-    product (what transformers computes): within the same bound of that weight's product, and not of the exact
-    one's. Rows that end mid-pass (3, 7, 13), both pass shapes (1-3 rows over whole panels, 4-8 over half
-    panels), at and past the threshold (64, 65, 80) and outputs that are not a whole vector or panel."""
+    exact product. Past it, and at every row count on AMX tiles (bf16_linear_int4_amx, forced here), each panel
+    is dequantized once to bf16 (q - 8) * s, rounded as torch rounds that product (what transformers computes):
+    within the same bound of that weight's product, and not of the exact one's. Rows that end mid-pass (3, 7,
+    13), both pass shapes (1-3 rows over whole panels, 4-8 over half panels), mid AMX tile and work item (17,
+    33), at and past the threshold (64, 65, 80) and outputs that are not a whole vector or panel. K = 48 is no
+    multiple of an AMX tile's 32: that call keeps the VNNI path on every CPU."""
     from llmopt.layers.packed_linear import pack_int4_vnni
 
+    kernel = vnni_kernel()
+    if path == "amx" and not kernel.amx:
+        pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
+    monkeypatch.setitem(kernel.amx_min_rows, torch.uint8, 1 if path == "amx" else 10**9)
     g = torch.Generator().manual_seed(2)
     q = torch.randint(0, 16, (n, k), generator=g)
     s = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
@@ -234,10 +241,11 @@ def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     packed, gscale = pack_int4_vnni(q, s)
     assert packed.numel() == (n + -n % 16) * k // 2 and gscale.shape == (k // group, n + -n % 16)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 64, 65, 80):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 64, 65, 80):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        got = vnni_kernel().int4(x, packed, gscale, group, bias, n)
-        ok, worst = within_bf16_linear_bound(got, x, w if rows <= 64 else w_bf16, bias)
-        assert ok, f"{rows} rows: error {worst:.2f}x the bound"
-        if rows > 64:  # the dequantized panels are what ran, not the exact products
-            assert not within_bf16_linear_bound(got, x, w, bias)[0]
+        got = kernel.int4(x, packed, gscale, group, bias, n)
+        widened = rows > 64 or kernel.uses_amx(rows, k, torch.uint8)
+        ok, worst = within_bf16_linear_bound(got, x, w_bf16 if widened else w, bias)
+        assert ok, f"{rows} rows ({path}): error {worst:.2f}x the bound"
+        if widened and rows >= 4:  # the dequantized panels ran (1-3 rows: too few outputs to tell)
+            assert not within_bf16_linear_bound(got, x, w, bias)[0], f"{rows} rows ({path})"
