@@ -44,6 +44,11 @@
 #define WIDEN_ROWS_INT4 64  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
 enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
+// Software prefetch distances (bytes) for the weight streams: a decode-size call is bound by how fast the weight
+// arrives from memory, and the hardware prefetchers alone left the int8 and int4 passes at 35-50% of the read
+// bandwidth on an Intel Xeon VM (docs/BENCHMARKS.md, "Prefetching the weight stream")
+#define PF_PACKED 2048  // int8 and int4 panels and the panels being widened
+#define PF_BF16 1024    // bf16 panels
 
 int bf16_linear_available(void) {
 #ifdef __AVX512BF16__
@@ -104,12 +109,15 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
         __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
         if (storage == W_INT8) {
             const int8_t *wk = (const int8_t *)wp + k * vstride * 16;
+            for (int v = 0; v < nv; v += 2) _mm_prefetch((const char *)(wk + v * 32 + PF_PACKED), _MM_HINT_T0);
             for (int v = 0; v < nv; v++) w[v] = int8x32_to_bf16(wk + v * 32);
         } else if (storage == W_INT4) {
             const uint8_t *wk = (const uint8_t *)wp + (k / 2) * vstride * 16;
+            _mm_prefetch((const char *)(wk + PF_PACKED), _MM_HINT_T0);
             for (int v = 0; v < nv; v++) w[v] = int4x32_to_bf16(wk + v * 16, table);
         } else {
             const uint16_t *wk = (const uint16_t *)wp + k * vstride * 16;
+            for (int v = 0; v < nv; v++) _mm_prefetch((const char *)(wk + v * 32) + PF_BF16, _MM_HINT_T0);
             for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
         }
         for (int m = 0; m < mt; m++) {
@@ -196,7 +204,10 @@ static uint16_t *thread_buffer(size_t n) {
 
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512((void *)(out + i), (__m512i)int8x32_to_bf16(w + i));
+    for (int64_t i = 0; i < n; i += 32) {
+        if (!(i & 63)) _mm_prefetch((const char *)(w + i + PF_PACKED), _MM_HINT_T0);
+        _mm512_storeu_si512((void *)(out + i), (__m512i)int8x32_to_bf16(w + i));
+    }
 }
 
 // An int4 panel (`width` outputs, K inputs) dequantized: bf16 of (q - 8) * s in the VNNI layout, each weight
@@ -214,7 +225,8 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
         __m512 s[NV];
         const uint16_t *gs = gscale + (2 * g0 / group) * gstride;  // the group's scales, constant over its k
         for (int v = 0; v < nv; v++) s[v] = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
-        for (int64_t kp = g0; kp < g0 + group / 2; kp++)
+        for (int64_t kp = g0; kp < g0 + group / 2; kp++) {
+            _mm_prefetch((const char *)(w + kp * width + PF_PACKED), _MM_HINT_T0);
             for (int v = 0; v < nv; v++) {
                 const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (kp * width + v * 16))));
                 const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(d, codes), s[v]);
@@ -222,6 +234,7 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
                 const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in elements 0-15, hi in 16-31
                 _mm512_storeu_si512((void *)(out + (kp * width + v * 16) * 2), _mm512_permutexvar_epi16(pairs, both));
             }
+        }
     }
 }
 #endif
@@ -232,7 +245,7 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // once for both kernels. Each thread multiplies blocks of 32 rows x 32 outputs: two A tiles (16 rows x 32 k of
 // x) by two B tiles into four float32 C tiles, and one tdpbf16ps does 16 x 16 x 32 products where vdpbf16ps
 // does 16 x 2. packed_linear.py's AMX_MIN_ROWS picks it by rows: bf16 from one row (at one row both kernels read
-// the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 past a few rows (its
+// the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 from 6 rows (its
 // panels are widened to bf16 first), int4 from 5 rows (its panels dequantized to bf16 first, as past
 // WIDEN_ROWS_INT4 rows; below 5 rows the int4 passes' exact products are faster than the dequantizing). Past ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call
 // (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
