@@ -2,7 +2,7 @@
 own kernel's source at a git revision, or against itself with AMX tiles turned off, side by side.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/int4_kernel.py [--shape 1b|8b|smollm2] [--group 128]
-        [--rows 1,4,16,64] [--rounds 20] [--rev REV | --amx-off]
+        [--rows 1,4,16,64] [--rounds 20] [--rev REV | --amx-off] [--layers 1]
 
 The four linears of one decoder layer of the shape (q|k|v, o, gate|up, down), symmetric int4 from random
 weights, built as `Int4WeightOnlyLinear`: on our kernel (the default where the CPU has AVX512-BF16) and, as
@@ -10,7 +10,8 @@ the other side, on tinygemm (`_weight_int4pack_mm_for_cpu`), or with `--rev` on 
 at REV, built next to the tree's and loaded in the same process (the same packed weights), or with
 `--amx-off` on the tree's kernel with its int4 AMX path turned off (where the CPU has AMX). Rounds
 alternate the two, and the median of each is kept; GB/s is the packed weights and scales read per call over
-that time.
+that time. `--layers N` builds N such layers and runs them in turn, so each call finds its weights out of
+cache, as in a decode step (one layer, the default, stays in cache between rounds).
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--rev", help="the other side is our kernel at this git revision, not tinygemm")
     ap.add_argument("--amx-off", action="store_true", help="the other side is our kernel without int4 AMX tiles")
+    ap.add_argument("--layers", type=int, default=1, help="layers run in turn (a model's worth: weights cold)")
     args = ap.parse_args()
     torch.manual_seed(0)
     other = f"ours at {args.rev}" if args.rev else "ours, no AMX" if args.amx_off else "tinygemm"
     with tempfile.TemporaryDirectory(prefix="int4-kernel-") as tmp:
         shapes = SHAPES[args.shape]
-        ours = [build(o, i, args.group, False) for o, i in shapes]
+        ours = [build(o, i, args.group, False) for _ in range(args.layers) for o, i in shapes]
         assert all(m.mode == "cpu-vnni-int4" for m in ours), "our kernel does not run on this CPU"
         kernel = ours[0]._vnni
         amx_rows = {"ours": kernel.amx_min_rows[torch.uint8], other: kernel.amx_min_rows[torch.uint8]}
@@ -86,14 +88,14 @@ def main() -> None:
                 raise SystemExit("this CPU (or its kernel) lends no AMX tiles")
             theirs, amx_rows[other] = ours, 10**9
         else:
-            theirs = [build(o, i, args.group, True) for o, i in shapes]
+            theirs = [build(o, i, args.group, True) for _ in range(args.layers) for o, i in shapes]
         layers = {"ours": ours, other: theirs}
         nbytes = sum(m.weight_nbytes() for m in ours)
-        print(f"{args.shape} layer, int4 g{args.group}: {nbytes / 1e6:.1f} MB of packed weights and scales, "
-              f"{torch.get_num_threads()} threads")
+        print(f"{args.shape}, {args.layers} layer(s), int4 g{args.group}: {nbytes / 1e6:.1f} MB of packed weights "
+              f"and scales, {torch.get_num_threads()} threads")
         print(f"| rows | {other} ms | ours ms | ours / {other} speed | ours GB/s |\n|---|---|---|---|---|")
         for rows in map(int, args.rows.split(",")):
-            xs = [torch.randn(rows, i).to(torch.bfloat16) for _, i in shapes]
+            xs = [torch.randn(rows, i).to(torch.bfloat16) for _, i in shapes] * args.layers
             times: dict[str, list[float]] = {name: [] for name in layers}
             for r in range(args.rounds + 2):
                 for name in (("ours", other) if r % 2 else (other, "ours")):

@@ -49,6 +49,7 @@ enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 // bandwidth on an Intel Xeon VM (docs/BENCHMARKS.md, "Prefetching the weight stream")
 #define PF_PACKED 2048  // int8 and int4 panels and the panels being widened
 #define PF_BF16 1024    // bf16 panels
+#define PF_AMX 4096     // AMX over a whole panel: one k step (16 pair rows of 256 bytes) ahead
 
 int bf16_linear_available(void) {
 #ifdef __AVX512BF16__
@@ -277,7 +278,8 @@ static void amx_configure(int a0, int a1) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    const int rows[8] = {a0, a0, a1, a1, a0, a1, AMX_K / 2, AMX_K / 2};
+    int rows[8] = {a0, a0, a1, a1, a0, a1, AMX_K / 2, AMX_K / 2};
+    if (a1 < 0) rows[2] = rows[3] = a0, rows[5] = AMX_K / 2;  // amx_block4: four C tiles of a0 rows, three B tiles
     for (int t = 0; t < 8; t++) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = rows[t] ? 64 : 0;
     _tile_loadconfig(&c);
 }
@@ -329,13 +331,50 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, i
     }
 }
 
-// One work item on AMX tiles: rows x[m0..m_end) against one bf16 panel, in blocks of 32 rows x 32 outputs. conf
-// holds the rows this thread's tiles are configured for ({-1, -1} before its first item).
+// Rows x[0..a0) (a0 <= 16) against a whole 64-output panel: four C tiles, so each k step reads its 16 pair rows
+// of 256 bytes whole and in order (amx_block's two passes over a panel each read half of every row).
+static void amx_block4(const uint16_t *x, int a0, int64_t K, const uint16_t *w, const uint16_t *scale,
+                       const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const int64_t ws = PANEL * 4;
+    for (int64_t k = 0; k < K; k += AMX_K) {
+        _tile_loadd(4, x + k, K * 2);
+        const uint16_t *wk = w + (k / 2) * PANEL * 2;
+        for (int r = 0; r < 64; r++) _mm_prefetch((const char *)wk + PF_AMX + r * 64, _MM_HINT_T0);  // a k step ahead
+        _tile_loadd(5, wk, ws);
+        _tile_loadd(6, wk + 32, ws);
+        _tile_loadd(7, wk + 64, ws);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, wk + 96, ws);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    float c[AMX_ROWS * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < NV; t++) {
+        const int64_t left = valid - t * 16;
+        if (left <= 0) break;
+        if (t == 0) _tile_stored(0, c, 64);
+        else if (t == 1) _tile_stored(1, c, 64);
+        else if (t == 2) _tile_stored(2, c, 64);
+        else _tile_stored(3, c, 64);
+        amx_store(c, a0, scale ? scale + t * 16 : NULL, bias ? bias + t * 16 : NULL, y + t * 16, N, left);
+    }
+}
+
+// One work item on AMX tiles: rows x[m0..m_end) against one bf16 panel, in blocks of 32 rows x 32 outputs, or, for
+// up to 16 rows of a whole panel, one block of all 64 outputs (amx_block4: decode reads the panel once, in order).
+// conf holds the rows this thread's tiles are configured for ({-1, -1} before its first item; a1 -1: amx_block4's).
 static void amx_item(const uint16_t *x, int64_t m0, int64_t m_end, int64_t K, const uint16_t *w, int64_t width,
                      int64_t valid, const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int conf[2]) {
     for (; m0 < m_end; m0 += 2 * AMX_ROWS) {
         const int64_t rows = m_end - m0 < 2 * AMX_ROWS ? m_end - m0 : 2 * AMX_ROWS;
         const int a0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, a1 = (int)rows - a0;
+        if (!a1 && width == PANEL) {
+            if (a0 != conf[0] || conf[1] != -1) amx_configure(a0, -1), conf[0] = a0, conf[1] = -1;
+            amx_block4(x + m0 * K, a0, K, w, scale, bias, y + m0 * N, N, valid);
+            continue;
+        }
         if (a0 != conf[0] || a1 != conf[1]) amx_configure(a0, a1), conf[0] = a0, conf[1] = a1;
         const uint16_t *xm = x + m0 * K;
         uint16_t *ym = y + m0 * N;
