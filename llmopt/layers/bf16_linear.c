@@ -45,8 +45,8 @@
 enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
 // Software prefetch distances (bytes) for the weight streams: a decode-size call is bound by how fast the weight
-// arrives from memory, and the hardware prefetchers alone left the int8 and int4 passes at 35-50% of the read
-// bandwidth on an Intel Xeon VM (docs/BENCHMARKS.md, "Prefetching the weight stream")
+// arrives from memory, and the hardware prefetchers alone left the int8 and int4 passes reading 3.5-7 GB/s on an
+// Intel Xeon VM that reads 21-28 GB/s (docs/BENCHMARKS.md, "On the Intel Xeon VM")
 #define PF_PACKED 2048  // int8 and int4 panels and the panels being widened
 #define PF_BF16 1024    // bf16 panels
 #define PF_AMX 4096     // AMX over a whole panel: one k step (16 pair rows of 256 bytes) ahead
