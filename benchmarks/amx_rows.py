@@ -45,7 +45,7 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-WEIGHTS = {  # --weights kind -> (the module class on our kernels, amx_min_rows' key)
+WEIGHTS = {  # weight kind -> (the module class on our kernels, amx_min_rows' key)
     "bf16": (PackedLinear, torch.bfloat16),
     "int8": (PackedInt8Linear, torch.int8),
     "int4": (Int4WeightOnlyLinear, torch.uint8),

@@ -248,8 +248,8 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // does 16 x 2. packed_linear.py's AMX_MIN_ROWS picks it by rows: bf16 from one row (at one row both kernels read
 // the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 from 6 rows (its
 // panels are widened to bf16 first), int4 from 5 rows (its panels dequantized to bf16 first, as past
-// WIDEN_ROWS_INT4 rows; below 5 rows the int4 passes' exact products are faster than the dequantizing). Past ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call
-// (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
+// WIDEN_ROWS_INT4 rows; below 5 rows the int4 passes' exact products are faster than the dequantizing). Past
+// ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
 // tried and did not pay.
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -34,11 +34,11 @@ class CMoe(ctypes.Structure):
     """moe_block.c's moe_t."""
 
     _fields_ = [("linear", ctypes.c_void_p), ("linear_amx", ctypes.c_void_p), ("linear_int4", ctypes.c_void_p),
-                ("linear_int4_amx", ctypes.c_void_p), ("act", ctypes.c_void_p), ("hidden", ctypes.c_int64), ("num_experts", ctypes.c_int64),
-                ("top_k", ctypes.c_int64), ("inter", ctypes.c_int64), ("shared_inter", ctypes.c_int64),
-                ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32), ("router", CLinear),
-                ("experts", ctypes.POINTER(CLinear)), ("shared_gate_up", CLinear), ("shared_down", CLinear),
-                ("shared_gate", CLinear)]
+                ("linear_int4_amx", ctypes.c_void_p), ("act", ctypes.c_void_p), ("hidden", ctypes.c_int64),
+                ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("shared_inter", ctypes.c_int64), ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32),
+                ("router", CLinear), ("experts", ctypes.POINTER(CLinear)), ("shared_gate_up", CLinear),
+                ("shared_down", CLinear), ("shared_gate", CLinear)]
 
 
 class MoeKernel:
@@ -76,7 +76,8 @@ class NativeMoe:
         self.tensors = [t for _, k in linears for t in (k.packed, k.scale, k.bias, k.perm) if t is not None]
         self.experts = (CLinear * len(experts))(*map(_c, experts))
         self.spec = CMoe(linear=addr["linear"], linear_amx=addr["linear_amx"], linear_int4=addr["linear_int4"],
-                         linear_int4_amx=addr["linear_int4_amx"], act=addr["act"], hidden=linears[0][1].in_features, num_experts=block.num_experts,
+                         linear_int4_amx=addr["linear_int4_amx"], act=addr["act"],
+                         hidden=linears[0][1].in_features, num_experts=block.num_experts,
                          top_k=block.top_k, inter=experts[0].out_features // 2,
                          shared_inter=shared[0].out_features // 2 if shared else 0,
                          norm_topk=int(block.norm_topk_prob), gelu=int(gelu), router=_c(linears[0][1]),

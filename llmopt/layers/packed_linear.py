@@ -92,8 +92,8 @@ class Bf16LinearKernel:
         m, k = x2.shape
         out = torch.empty(m, n, dtype=torch.bfloat16)
         fn = self._int4_amx if self.uses_amx(m, k, torch.uint8) else self._int4
-        rc = fn(x2.data_ptr(), m, k, packed.data_ptr(), gscale.data_ptr(), group, _ptr(bias), n,
-                        out.data_ptr(), torch.get_num_threads())
+        rc = fn(x2.data_ptr(), m, k, packed.data_ptr(), gscale.data_ptr(), group, _ptr(bias), n, out.data_ptr(),
+                torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("bf16 linear kernel (int4): " + {1: "no AVX512-BF16 in this build", 2: "out of memory",
                                                                  3: f"group {group} does not fit K {k}"}[rc])
