@@ -164,6 +164,55 @@ static inline __m512 hsum16(const __m512 *v) {
                          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
 }
 
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+// p.v for the vectorized paths (D a multiple of 16, at most 256): out[g] = sum over positions of sc[g] * V row /
+// sum[g], the output of up to 16 / (D / 16) query heads kept in registers over the whole context. V rows are
+// bf16 as block_run returns them (times their row scales where quantized) and out bf16, or, with `f32`, both
+// float32. Inlined with constant D and f32.
+static inline __attribute__((always_inline)) void weighted_v(const pool_t *v, const int64_t *table, int64_t lo,
+                                                             int64_t hi, int64_t first, int64_t G, const int64_t D,
+                                                             int64_t bs, const float *sc, const float *sum,
+                                                             const int f32, void *out) {
+    enum { ACC = 16 };  // output registers per pass over V
+    const int64_t DF = D / 16, GB = ACC / DF, span = hi - lo;
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {  // weighted sum of V, GB query heads per pass
+        __m512 acc[ACC];
+        for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = lo, r0, r1; p < hi;) {
+            const float *rs;
+            const void *blk = block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
+            for (int64_t r = r0; r < r1; r++, p++) {
+                __m512 row[16];
+                for (int64_t t = 0; t < DF; t++)
+                    row[t] = f32 ? _mm512_loadu_ps((const float *)blk + r * D + 16 * t)
+                                 : bf16x16_to_f32((const uint16_t *)blk + r * D + 16 * t);
+                const float vs = rs ? rs[r] : 1.f;
+                for (int64_t gi = 0; gi < GB; gi++) {
+                    const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] * vs : 0.f);
+                    for (int64_t t = 0; t < DF; t++) acc[gi * DF + t] = _mm512_fmadd_ps(w, row[t], acc[gi * DF + t]);
+                }
+            }
+        }
+        for (int64_t gi = 0; gi < GB && g0 + gi < G; gi++) {
+            const __m512 inv = _mm512_set1_ps(sum[g0 + gi] > 0.f ? 1.f / sum[g0 + gi] : 0.f);
+            for (int64_t t = 0; t < DF; t++) {
+                const __m512 o = _mm512_mul_ps(acc[gi * DF + t], inv);
+                const int64_t at = (g0 + gi) * D + 16 * t;
+                if (f32) {
+                    _mm512_storeu_ps((float *)out + at, o);
+                } else {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, o);
+                    for (int64_t i = 0; i < 16; i++) ((uint16_t *)out)[at + i] = f_to_bf16(tmp[i]);
+                }
+            }
+        }
+    }
+}
+
 #endif
 
 #if defined(__AVX512BF16__)
@@ -172,17 +221,12 @@ static inline __m512 hsum16(const __m512 *v) {
 // its output in memory (a store-to-load chain per position): ~170 cycles per position and KV head. Here:
 // - q.k: vdpbf16ps on the bf16 values as stored (products exact, sums in float32), 16 positions at a
 //   time, their 16 reductions done together (hsum16);
-// - p.v: the output of up to 16 / (D / 16) query heads kept in registers over the whole context.
-
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
+// - p.v: the output of up to 16 / (D / 16) query heads kept in registers over the whole context (weighted_v).
 static inline __attribute__((always_inline)) void attend_vec(
         const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *table, int64_t lo, int64_t hi,
         int64_t first, int64_t G, const int64_t D, int64_t bs, float scale, uint16_t *out, float *buf) {
-    enum { MAXDV = 8, ACC = 16 };  // D <= 256; output registers per pass over V
-    const int64_t DV = D / 32, DF = D / 16, GB = ACC / DF;  // D <= 256: at least one head per pass
+    enum { MAXDV = 8 };  // D <= 256
+    const int64_t DV = D / 32;
     const int64_t span = hi - lo;
     float *sc = buf, sum[64];
     __m512 vmx[64];
@@ -215,32 +259,7 @@ static inline __attribute__((always_inline)) void attend_vec(
     float mx[64];
     for (int64_t g = 0; g < G; g++) mx[g] = _mm512_reduce_max_ps(vmx[g]);
     exp_scores(sc, span, G, mx, sum);
-    for (int64_t g0 = 0; g0 < G; g0 += GB) {  // weighted sum of V, GB query heads per pass
-        __m512 acc[ACC];
-        for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t p = lo, r0, r1; p < hi;) {
-            const float *rs;
-            const uint16_t *blk = (const uint16_t *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
-            for (int64_t r = r0; r < r1; r++, p++) {
-                __m512 row[16];
-                for (int64_t t = 0; t < DF; t++) row[t] = bf16x16_to_f32(blk + r * D + 16 * t);
-                const float vs = rs ? rs[r] : 1.f;
-                for (int64_t gi = 0; gi < GB; gi++) {
-                    const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] * vs : 0.f);
-                    for (int64_t t = 0; t < DF; t++) acc[gi * DF + t] = _mm512_fmadd_ps(w, row[t], acc[gi * DF + t]);
-                }
-            }
-        }
-        for (int64_t gi = 0; gi < GB && g0 + gi < G; gi++) {
-            const __m512 inv = _mm512_set1_ps(sum[g0 + gi] > 0.f ? 1.f / sum[g0 + gi] : 0.f);
-            for (int64_t t = 0; t < DF; t++) {
-                const __m512 o = _mm512_mul_ps(acc[gi * DF + t], inv);
-                float tmp[16];
-                _mm512_storeu_ps(tmp, o);
-                for (int64_t i = 0; i < 16; i++) out[(g0 + gi) * D + 16 * t + i] = f_to_bf16(tmp[i]);
-            }
-        }
-    }
+    weighted_v(v, table, lo, hi, first, G, D, bs, sc, sum, 0, out);
 }
 #endif
 
@@ -303,29 +322,7 @@ static void attend_f32(const float *q, const pool_t *k, const pool_t *v, const i
     exp_scores(sc, span, G, mx, sum);
 #if defined(__AVX512F__)
     if (vec) {
-        enum { ACC = 16 };
-        const int64_t DF = D / 16, GB = ACC / DF;
-        for (int64_t g0 = 0; g0 < G; g0 += GB) {  // weighted sum of V, GB query heads per pass
-            __m512 acc[ACC];
-            for (int64_t i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
-            for (int64_t p = lo, r0, r1; p < hi;) {
-                const float *rs;
-                const float *blk = (const float *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
-                for (int64_t r = r0; r < r1; r++, p++) {
-                    __m512 row[16];
-                    for (int64_t t = 0; t < DF; t++) row[t] = _mm512_loadu_ps(blk + r * D + 16 * t);
-                    for (int64_t gi = 0; gi < GB; gi++) {
-                        const __m512 w = _mm512_set1_ps(g0 + gi < G ? sc[(g0 + gi) * span + p - lo] : 0.f);
-                        for (int64_t t = 0; t < DF; t++) acc[gi * DF + t] = _mm512_fmadd_ps(w, row[t], acc[gi * DF + t]);
-                    }
-                }
-            }
-            for (int64_t gi = 0; gi < GB && g0 + gi < G; gi++) {
-                const __m512 inv = _mm512_set1_ps(sum[g0 + gi] > 0.f ? 1.f / sum[g0 + gi] : 0.f);
-                for (int64_t t = 0; t < DF; t++)
-                    _mm512_storeu_ps(out + (g0 + gi) * D + 16 * t, _mm512_mul_ps(acc[gi * DF + t], inv));
-            }
-        }
+        weighted_v(v, table, lo, hi, first, G, D, bs, sc, sum, 1, out);
         return;
     }
 #endif
