@@ -2,13 +2,14 @@
 own kernel's source at a git revision, or against itself with AMX tiles turned off, side by side.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/int4_kernel.py [--shape 1b|8b|smollm2] [--group 128]
-        [--rows 1,4,16,64] [--rounds 20] [--rev REV | --amx-off] [--layers 1]
+        [--rows 1,4,16,64] [--rounds 20] [--rev REV | --amx-off | --fma-off] [--layers 1]
 
 The four linears of one decoder layer of the shape (q|k|v, o, gate|up, down), symmetric int4 from random
 weights, built as `Int4WeightOnlyLinear`: on our kernel (the default where the CPU has AVX512-BF16) and, as
 the other side, on tinygemm (`_weight_int4pack_mm_for_cpu`), or with `--rev` on `bf16_linear.c` as it was
 at REV, built next to the tree's and loaded in the same process (the same packed weights), or with
-`--amx-off` on the tree's kernel with its int4 AMX path turned off (where the CPU has AMX). Rounds
+`--amx-off` on the tree's kernel with its int4 AMX path turned off (where the CPU has AMX), or with `--fma-off`
+on the tree's kernel with its passes in vdpbf16ps rather than float32 FMAs (`Bf16LinearKernel.fma`). Rounds
 alternate the two, and the median of each is kept; GB/s is the packed weights and scales read per call over
 that time. `--layers N` builds N such layers and runs them in turn, so each call finds its weights out of
 cache, as in a decode step (one layer, the default, stays in cache between rounds).
@@ -68,16 +69,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--rev", help="the other side is our kernel at this git revision, not tinygemm")
     ap.add_argument("--amx-off", action="store_true", help="the other side is our kernel without int4 AMX tiles")
+    ap.add_argument("--fma-off", action="store_true",
+                    help="the other side is our kernel with its passes in vdpbf16ps, not float32 FMAs")
     ap.add_argument("--layers", type=int, default=1, help="layers run in turn (a model's worth: weights cold)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    other = f"ours at {args.rev}" if args.rev else "ours, no AMX" if args.amx_off else "tinygemm"
+    other = (f"ours at {args.rev}" if args.rev else "ours, no AMX" if args.amx_off
+             else "ours, vdpbf16ps" if args.fma_off else "tinygemm")
     with tempfile.TemporaryDirectory(prefix="int4-kernel-") as tmp:
         shapes = SHAPES[args.shape]
         ours = [build(o, i, args.group, False) for _ in range(args.layers) for o, i in shapes]
         assert all(m.mode == "cpu-vnni-int4" for m in ours), "our kernel does not run on this CPU"
         kernel = ours[0]._vnni
         amx_rows = {"ours": kernel.amx_min_rows[torch.uint8], other: kernel.amx_min_rows[torch.uint8]}
+        fma = {"ours": kernel.fma, other: kernel.fma and not args.fma_off}
         if args.rev:  # the same weights on the other library
             old = kernel_at(args.rev, Path(tmp))
             theirs = [copy.copy(m) for m in ours]  # shares the packed buffers
@@ -87,6 +92,10 @@ def main() -> None:
             if not kernel.amx:
                 raise SystemExit("this CPU (or its kernel) lends no AMX tiles")
             theirs, amx_rows[other] = ours, 10**9
+        elif args.fma_off:
+            if not kernel.fma:
+                raise SystemExit("the float32 passes are off on this CPU already (Bf16LinearKernel.fma)")
+            theirs = ours
         else:
             theirs = [build(o, i, args.group, True) for _ in range(args.layers) for o, i in shapes]
         layers = {"ours": ours, other: theirs}
@@ -100,6 +109,7 @@ def main() -> None:
             for r in range(args.rounds + 2):
                 for name in (("ours", other) if r % 2 else (other, "ours")):
                     kernel.amx_min_rows[torch.uint8] = amx_rows[name]
+                    kernel.fma = fma[name]
                     t0 = time.perf_counter()
                     for m, x in zip(layers[name], xs, strict=True):
                         m(x)

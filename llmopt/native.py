@@ -62,6 +62,18 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it names none: the same
+    instruction can cost twice as much on one vendor's cores (docs/BENCHMARKS.md, "float32 passes")."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def trim_heap() -> None:
     """Hand freed heap memory back to the OS (glibc's malloc_trim; a no-op elsewhere). Why: after a large
     tensor is freed, glibc raises its mmap threshold, so later tensors of that size come from the heap,

@@ -59,6 +59,13 @@ int bf16_linear_available(void) {
 #endif
 }
 
+// Whether the int8 and int4 passes (up to WIDEN_ROWS / WIDEN_ROWS_INT4 rows, off AMX) multiply in float32 FMAs
+// instead of vdpbf16ps: packed_linear.py turns it on where that is faster (Intel cores). Process-wide: the decode
+// step and the MoE block call these same functions.
+static int fma_passes;
+void bf16_linear_set_fma(int on) { fma_passes = on != 0; }
+int bf16_linear_fma(void) { return fma_passes; }
+
 #ifdef __AVX512BF16__
 #include <stdlib.h>
 
@@ -66,25 +73,33 @@ static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {  // 16 bf
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
-static uint16_t I4_TABLE[32];  // bf16 of q - 8 for the nibble q (0..15), then zeros
+static uint16_t I4_TABLE[32];  // bf16 of q - 8 at index q and q + 16 (vpermw reads 5 bits of an index word)
 static int i4_table_ready;
 
 static void i4_table_init(void) {
     if (i4_table_ready) return;
-    for (int q = 0; q < 16; q++) I4_TABLE[q] = f_to_bf16((float)(q - 8));
+    for (int q = 0; q < 32; q++) I4_TABLE[q] = f_to_bf16((float)((q & 15) - 8));
     i4_table_ready = 1;
 }
 
 // 16 bytes of one int4 pair row (16 outputs x k, k + 1) as 32 bf16 (q - 8) in the VNNI pair order, exact.
-// Byte j widened to dword j holds both codes of output j: its low word gets the low nibble (k), its high word
-// the high one (k + 1), which is the pair order; then one table lookup. Two cross-lane shuffles per 32 weights
-// (the widening and the lookup): at one row the shuffles, not memory, bound the int4 matmul.
-static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table) {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    // (d & 0x0f) | ((d << 12) & 0xf0000): ternary-logic 0xEA is (A & B) | C with A = d << 12, B = the mask
-    const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(0x0f));
-    const __m512i codes = _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f0000), lo, 0xEA);
-    return (__m512bh)_mm512_permutexvar_epi16(codes, table);
+// The 16 bytes go to every 128-bit lane (a broadcast load: no shuffle port), one in-lane vpshufb puts byte j
+// in the low byte of both words of dword j (lane j / 4), one vpsrlvw shifts the high word's right by 4 (the
+// k + 1 nibble), and one vpermw looks both up: the low word's index keeps the k + 1 nibble's low bit in bit 4,
+// which the table's second half ignores. Three vector ops per 32 weights where widening each byte to a dword
+// and masking took five: on Intel cores, whose 512-bit ops share two ports, those ops bound the one-row pass.
+static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table, const __m512i spread,
+                                       const __m512i shifts) {
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+    const __m512i idx = _mm512_srlv_epi16(_mm512_shuffle_epi8(b, spread), shifts);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, table);
+}
+
+// vpshufb control for int4x32_to_bf16: in lane L, dword i reads byte 4L + i into bytes 0 and 2 (bit 7: zero)
+static inline __m512i int4_spread(void) {
+    return _mm512_set_epi32(0x800f800f, 0x800e800e, 0x800d800d, 0x800c800c, 0x800b800b, 0x800a800a, 0x80098009,
+                            0x80088008, 0x80078007, 0x80068006, 0x80058005, 0x80048004, 0x80038003, 0x80028002,
+                            0x80018001, 0x80008000);
 }
 
 // rows x[0..mt) against nv vectors of a panel whose pair rows hold vstride vectors (nv < vstride: a part of
@@ -103,35 +118,41 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
     for (int m = 0; m < MT_MAX; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
     const __m512i table = storage == W_INT4 ? _mm512_loadu_si512((const void *)I4_TABLE) : _mm512_setzero_si512();
+    const __m512i spread = int4_spread(), shifts = _mm512_set1_epi32(4 << 16);
     if (grouped)
         for (int m = 0; m < MT_MAX; m++)
             for (int v = 0; v < NV; v++) gacc[m][v] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 2) {
-        __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
-        if (storage == W_INT8) {
-            const int8_t *wk = (const int8_t *)wp + k * vstride * 16;
-            for (int v = 0; v < nv; v += 2) _mm_prefetch((const char *)(wk + v * 32 + PF_PACKED), _MM_HINT_T0);
-            for (int v = 0; v < nv; v++) w[v] = int8x32_to_bf16(wk + v * 32);
-        } else if (storage == W_INT4) {
-            const uint8_t *wk = (const uint8_t *)wp + (k / 2) * vstride * 16;
-            _mm_prefetch((const char *)(wk + PF_PACKED), _MM_HINT_T0);
-            for (int v = 0; v < nv; v++) w[v] = int4x32_to_bf16(wk + v * 16, table);
-        } else {
-            const uint16_t *wk = (const uint16_t *)wp + k * vstride * 16;
-            for (int v = 0; v < nv; v++) _mm_prefetch((const char *)(wk + v * 32) + PF_BF16, _MM_HINT_T0);
-            for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
+    // Grouped: a loop over each group's k and the fold after it (a `k % group` per pair row was an integer
+    // division per 128 weights at one row: on Intel cores it cost more than the row's arithmetic).
+    const int64_t span = grouped ? group : K;
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += span, g++) {
+        for (int64_t k = k0; k < k0 + span; k += 2) {
+            __m512bh w[NV];  // the pair row k / 2 of this panel: nv * 16 outputs x 2, as bf16
+            if (storage == W_INT8) {
+                const int8_t *wk = (const int8_t *)wp + k * vstride * 16;
+                for (int v = 0; v < nv; v += 2) _mm_prefetch((const char *)(wk + v * 32 + PF_PACKED), _MM_HINT_T0);
+                for (int v = 0; v < nv; v++) w[v] = int8x32_to_bf16(wk + v * 32);
+            } else if (storage == W_INT4) {
+                const uint8_t *wk = (const uint8_t *)wp + (k / 2) * vstride * 16;
+                _mm_prefetch((const char *)(wk + PF_PACKED), _MM_HINT_T0);
+                for (int v = 0; v < nv; v++) w[v] = int4x32_to_bf16(wk + v * 16, table, spread, shifts);
+            } else {
+                const uint16_t *wk = (const uint16_t *)wp + k * vstride * 16;
+                for (int v = 0; v < nv; v++) _mm_prefetch((const char *)(wk + v * 32) + PF_BF16, _MM_HINT_T0);
+                for (int v = 0; v < nv; v++) w[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + v * 32));
+            }
+            for (int m = 0; m < mt; m++) {
+                int32_t pair;
+                memcpy(&pair, x + m * K + k, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                if (grouped)
+                    for (int v = 0; v < nv; v++) gacc[m][v] = _mm512_dpbf16_ps(gacc[m][v], xv, w[v]);
+                else
+                    for (int v = 0; v < nv; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+            }
         }
-        for (int m = 0; m < mt; m++) {
-            int32_t pair;
-            memcpy(&pair, x + m * K + k, sizeof pair);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            if (grouped)
-                for (int v = 0; v < nv; v++) gacc[m][v] = _mm512_dpbf16_ps(gacc[m][v], xv, w[v]);
-            else
-                for (int v = 0; v < nv; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
-        }
-        if (grouped && (k + 2) % group == 0) {  // the end of a group: fold its sums in by its scales
-            const uint16_t *gs = gscale + ((k + 1) / group) * gstride;
+        if (grouped) {  // the end of a group: fold its sums in by its scales
+            const uint16_t *gs = gscale + g * gstride;
             for (int v = 0; v < nv; v++) {
                 const __m512 sv = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
                 for (int m = 0; m < mt; m++) {
@@ -160,6 +181,143 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
 #define GCASE(mt, nv) case (mt) * 8 + (nv): \
     panel_mt_nv(x, mt, K, wv, W_INT4, nv, vstride, NULL, bv, yv, N, vv, 1, group, gv, gstride); \
     break;
+
+// The int4 passes in float32 FMAs (bf16_linear_set_fma): each 16 bytes of a pair row become the float32 codes
+// q - 8 of k and of k + 1 by one vpmovzxbd, one shift and two vpermps (whose index reads the low 4 bits of each
+// dword: the nibble), multiplied by x in float32 (x converted once per call; every product exact) and summed per
+// group as the vdpbf16ps passes do. Where vdpbf16ps is slow (Intel cores: about two cycles on both 512-bit
+// ports, where an FMA takes half of one), two FMAs do its 32 products in less time, and the one-row pass turns
+// 32 nibbles into weights with 3 vector ops where the bf16 pass needs 3 plus its vdpbf16ps.
+static inline __attribute__((always_inline)) void panel_int4_f32_nv(const float *x, const int mt, int64_t K,
+                                                                    const uint8_t *wp, const int nv, const int vstride,
+                                                                    const uint16_t *bias, uint16_t *y, int64_t N,
+                                                                    int64_t valid, int64_t group,
+                                                                    const uint16_t *gscale, int64_t gstride) {
+    __m512 acc[MT_MAX][NV], gacc[MT_MAX][NV];
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int m = 0; m < mt; m++)
+        for (int v = 0; v < nv; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, g++) {
+        for (int m = 0; m < mt; m++)
+            for (int v = 0; v < nv; v++) gacc[m][v] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k0 + group; k += 2) {
+            const uint8_t *wk = wp + (k / 2) * vstride * 16;
+            _mm_prefetch((const char *)(wk + PF_PACKED), _MM_HINT_T0);
+            __m512 wa[NV], wb[NV];  // float32 codes of k and of k + 1, 16 outputs each
+            for (int v = 0; v < nv; v++) {
+                const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wk + v * 16)));
+                wa[v] = _mm512_permutexvar_ps(d, codes);
+                wb[v] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), codes);
+            }
+            for (int m = 0; m < mt; m++) {
+                const __m512 xa = _mm512_set1_ps(x[m * K + k]), xb = _mm512_set1_ps(x[m * K + k + 1]);
+                for (int v = 0; v < nv; v++)
+                    gacc[m][v] = _mm512_fmadd_ps(wb[v], xb, _mm512_fmadd_ps(wa[v], xa, gacc[m][v]));
+            }
+        }
+        const uint16_t *gs = gscale + g * gstride;
+        for (int v = 0; v < nv; v++) {
+            const __m512 sv = load_bf16x16(gs + v * 16, (__mmask16)0xffff);
+            for (int m = 0; m < mt; m++) acc[m][v] = _mm512_fmadd_ps(gacc[m][v], sv, acc[m][v]);
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        const int64_t left = valid - v * 16;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++)
+            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+    }
+}
+
+#define FCASE(mt, nv) case (mt) * 8 + (nv): \
+    panel_int4_f32_nv(x, mt, K, wv, nv, vstride, bv, yv, N, vv, group, gv, gstride); \
+    break;
+
+// The float32 passes over an int4 panel: up to 2 rows over the whole panel, up to 5 over half of it, more over
+// a quarter (the accumulators of a pass stay in registers).
+static void panel_int4_f32(const float *x, int mt, int64_t K, const uint8_t *wp, int nv, const uint16_t *bias,
+                           uint16_t *y, int64_t N, int64_t valid, int64_t group, const uint16_t *gscale,
+                           int64_t gstride) {
+    const int vstride = nv, step = mt <= 2 ? nv : mt <= 5 ? 2 : 1;
+    for (int v0 = 0; v0 < vstride; v0 += step) {
+        const int sub = vstride - v0 < step ? vstride - v0 : step;
+        const uint8_t *wv = wp + v0 * 16;
+        const uint16_t *bv = bias ? bias + v0 * 16 : NULL, *gv = gscale + v0 * 16;
+        uint16_t *yv = y + v0 * 16;
+        const int64_t vv = valid - v0 * 16;
+        switch (mt * 8 + sub) {
+            FCASE(1, 1) FCASE(1, 2) FCASE(1, 3) FCASE(1, 4) FCASE(2, 1) FCASE(2, 2) FCASE(2, 3) FCASE(2, 4)
+            FCASE(3, 1) FCASE(3, 2) FCASE(4, 1) FCASE(4, 2) FCASE(5, 1) FCASE(5, 2)
+            FCASE(6, 1) FCASE(7, 1) FCASE(8, 1)
+            default: break;
+        }
+    }
+}
+
+// The int8 passes in float32 FMAs: 16 bytes of a pair row (8 outputs x k, k + 1, in pair order) become 16
+// float32 weights by one vpmovsxbd and one vcvtdq2ps, multiplied by the row's x pair (x[k], x[k + 1]) broadcast
+// to every pair of lanes: a vector's lanes 2j and 2j + 1 hold output j's sums over even and odd k, added at the
+// end (two permutes per 16 outputs) and scaled. Three vector ops per 16 weights where the vdpbf16ps pass
+// converts to bf16 and pays for its vdpbf16ps (why, and where: the int4 passes above).
+static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float *x, const int mt, int64_t K,
+                                                                    const int8_t *wp, const int nv, const int vstride,
+                                                                    const uint16_t *scale, const uint16_t *bias,
+                                                                    uint16_t *y, int64_t N, int64_t valid) {
+    __m512 acc[MT_MAX][2 * NV];  // [m][2v]: outputs 16v..16v+7 (even and odd k), [m][2v + 1]: 16v+8..16v+15
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 2 * nv; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+        const int8_t *wk = wp + k * vstride * 16;
+        for (int v = 0; v < nv; v += 2) _mm_prefetch((const char *)(wk + v * 32 + PF_PACKED), _MM_HINT_T0);
+        __m512 w[2 * NV];
+        for (int j = 0; j < 2 * nv; j++)
+            w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wk + j * 16))));
+        for (int m = 0; m < mt; m++) {
+            double pair;  // x[k], x[k + 1] as float32, broadcast whole
+            memcpy(&pair, x + m * K + k, sizeof pair);
+            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            for (int j = 0; j < 2 * nv; j++) acc[m][j] = _mm512_fmadd_ps(w[j], xp, acc[m][j]);
+        }
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int v = 0; v < nv; v++) {
+        const int64_t left = valid - v * 16;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __m512 s = load_bf16x16(scale + v * 16, mask);
+        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++) {
+            const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][2 * v], even, acc[m][2 * v + 1]),
+                                             _mm512_permutex2var_ps(acc[m][2 * v], odd, acc[m][2 * v + 1]));
+            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(sum, s, b)));
+        }
+    }
+}
+
+#define ICASE(mt, nv) case (mt) * 8 + (nv): \
+    panel_int8_f32_nv(x, mt, K, wv, nv, vstride, sv, bv, yv, N, vv); \
+    break;
+
+// The float32 passes over an int8 panel: rows and vectors per pass as panel_int4_f32's.
+static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, int nv, const uint16_t *scale,
+                           const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
+    const int vstride = nv, step = mt <= 2 ? nv : mt <= 5 ? 2 : 1;
+    for (int v0 = 0; v0 < vstride; v0 += step) {
+        const int sub = vstride - v0 < step ? vstride - v0 : step;
+        const int8_t *wv = wp + v0 * 32;
+        const uint16_t *sv = scale + v0 * 16, *bv = bias ? bias + v0 * 16 : NULL;
+        uint16_t *yv = y + v0 * 16;
+        const int64_t vv = valid - v0 * 16;
+        switch (mt * 8 + sub) {
+            ICASE(1, 1) ICASE(1, 2) ICASE(1, 3) ICASE(1, 4) ICASE(2, 1) ICASE(2, 2) ICASE(2, 3) ICASE(2, 4)
+            ICASE(3, 1) ICASE(3, 2) ICASE(4, 1) ICASE(4, 2) ICASE(5, 1) ICASE(5, 2)
+            ICASE(6, 1) ICASE(7, 1) ICASE(8, 1)
+            default: break;
+        }
+    }
+}
 
 // Passes over an int4 panel with group folds: one row over the whole panel (four chains of sums), more rows over
 // NV_GROUPED of its vectors at a time.
@@ -202,6 +360,19 @@ static uint16_t *thread_buffer(size_t n) {
     }
     return buf;
 }
+
+// This thread's float32 scratch of at least n values, kept for the next call (as thread_buffer).
+static float *x_float_buffer(size_t n) {
+    static _Thread_local float *buf;
+    static _Thread_local size_t cap;
+    if (n > cap) {
+        float *grown = (float *)realloc(buf, n * sizeof(float));
+        if (!grown) return NULL;
+        buf = grown, cap = n;
+    }
+    return buf;
+}
+
 
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
@@ -405,6 +576,13 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
     const int grouped = storage == W_INT4 && !widen;  // a dequantized int4 panel needs no group folds
     const int step = grouped ? MT_GROUPED : MT;
     if (storage == W_INT4) i4_table_init();
+    const float *xf = NULL;  // x in float32 for the float32 passes
+    if (fma_passes && (grouped || (storage == W_INT8 && !widen))) {
+        float *buf = x_float_buffer((size_t)(M * K));
+        if (!buf) return 2;
+        for (int64_t i = 0; i < M * K; i++) buf[i] = bf16_to_f(x[i]);
+        xf = buf;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
@@ -442,9 +620,15 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                 for (int64_t m0 = c * chunk, mt; m0 < m_end; m0 += mt) {
                     const int64_t left = m_end - m0, passes = (left + step - 1) / step;
                     mt = grouped ? (left + passes - 1) / passes : (left < step ? left : step);  // int4: even passes
-                    if (grouped)
+                    if (grouped && xf)
+                        panel_int4_f32(xf + m0 * K, (int)mt, K, (const uint8_t *)w, (int)(width / 16), bp,
+                                       y + m0 * N + n0, N, valid, group, gscale + n0, n16);
+                    else if (grouped)
                         panel_int4(x + m0 * K, (int)mt, K, (const uint8_t *)w, (int)(width / 16), bp,
                                    y + m0 * N + n0, N, valid, group, gscale + n0, n16);
+                    else if (xf)
+                        panel_int8_f32(xf + m0 * K, (int)mt, K, (const int8_t *)w, (int)(width / 16), sp, bp,
+                                       y + m0 * N + n0, N, valid);
                     else
                         panel(x + m0 * K, (int)mt, K, w, ws, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid);
                 }

@@ -32,6 +32,11 @@ AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multi
 # decode, on SmolLM2's and the 1.2B shapes); int4 panels (uint8 codes) are dequantized first, and below that many
 # rows the int4 kernel's own passes (exact products, no widening) are faster
 AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 6, torch.uint8: INT4_AMX_ROWS}
+# CPUs whose int8 and int4 passes multiply in float32 FMAs rather than vdpbf16ps (bf16_linear_set_fma): on Intel
+# cores vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share, and the one-row passes
+# ran 1.3-1.7x faster in FMAs (docs/BENCHMARKS.md, "float32 passes"); AMD's Zen 4 runs vdpbf16ps at an FMA's
+# cost, twice the products, and keeps it (not measured there)
+FMA_VENDORS = ("GenuineIntel",)
 
 
 class Bf16LinearKernel:
@@ -52,6 +57,21 @@ class Bf16LinearKernel:
         self.amx = self.available and bool(lib.bf16_linear_amx_available())
         self.amx_min_rows = dict(AMX_MIN_ROWS)
         self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
+        self._set_fma = getattr(lib, "bf16_linear_set_fma", None)  # absent from a library built before it
+        self._fma = False
+        self.fma = native.cpu_vendor() in FMA_VENDORS
+
+    @property
+    def fma(self) -> bool:
+        """Whether the int8 and int4 passes off AMX multiply in float32 FMAs (else vdpbf16ps); settable, for
+        tests and benchmarks. Both meet the same float32-summation bound; their roundings differ."""
+        return self._fma
+
+    @fma.setter
+    def fma(self, on: bool) -> None:
+        if self._set_fma is not None:
+            self._set_fma(int(on))
+            self._fma = bool(on)
 
     def addresses(self) -> dict[str, int]:
         """The C functions' addresses, for callers that run them from C (llmopt/step/decode_step.c)."""

@@ -215,12 +215,12 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
 
 
 @needs_vnni
-@pytest.mark.parametrize("path", ["vnni", "amx"])
+@pytest.mark.parametrize("path", ["vnni", "fma", "amx"])
 @pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 32), (130, 576, 64), (64, 256, 128), (100, 96, 96), (20, 48, 16)])
 def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k, group, path, monkeypatch):
     """W4A16 on the VNNI panels (bf16_linear_int4). Up to the widening threshold (64 rows) nibbles are decoded
-    exactly and each group is summed and folded in by its scale: within the float32-summation bound of the
-    exact product. Past it, and at every row count on AMX tiles (bf16_linear_int4_amx, forced here), each panel
+    exactly and each group is summed and folded in by its scale (in vdpbf16ps or, `fma`, in float32 FMAs):
+    within the float32-summation bound of the exact product. Past it, and at every row count on AMX tiles (bf16_linear_int4_amx, forced here), each panel
     is dequantized once to bf16 (q - 8) * s, rounded as torch rounds that product (what transformers computes):
     within the same bound of that weight's product, and not of the exact one's. Rows that end mid-pass (3, 7,
     13), both pass shapes (1-3 rows over whole panels, 4-8 over half panels), mid AMX tile and work item (17,
@@ -232,6 +232,7 @@ def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k
     if path == "amx" and not kernel.amx:
         pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
     monkeypatch.setitem(kernel.amx_min_rows, torch.uint8, 1 if path == "amx" else 10**9)
+    monkeypatch.setattr(kernel, "fma", path == "fma")  # the passes in float32 FMAs, or vdpbf16ps
     g = torch.Generator().manual_seed(2)
     q = torch.randint(0, 16, (n, k), generator=g)
     s = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
@@ -249,3 +250,27 @@ def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k
         assert ok, f"{rows} rows ({path}): error {worst:.2f}x the bound"
         if widened and rows >= 4:  # the dequantized panels ran (1-3 rows: too few outputs to tell)
             assert not within_bf16_linear_bound(got, x, w, bias)[0], f"{rows} rows ({path})"
+
+
+@needs_vnni
+@pytest.mark.parametrize("fma", [False, True])
+def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
+    """x = (1, 0, 2^24, 1, -2^24, 0, 0, ...) against weights of 1 shows which passes ran, by where float32 drops
+    a 1 next to 2^24: vdpbf16ps adds each pair's odd product, then its even one (1, 2, 2^24 + 2, 2); the int4
+    FMA passes add in k order (1, 2^24, 2^24, 0); the int8 FMA passes sum even k (1, 2^24, 0) and odd k (1)
+    apart and add them (1). So `fma` is not a no-op, whichever CPU runs it."""
+    from llmopt.layers.packed_linear import pack_int4_vnni
+
+    kernel = vnni_kernel()
+    monkeypatch.setitem(kernel.amx_min_rows, torch.uint8, 10**9)
+    monkeypatch.setitem(kernel.amx_min_rows, torch.int8, 10**9)
+    monkeypatch.setattr(kernel, "fma", fma)
+    n, k = 16, 32
+    x = torch.zeros(1, k)
+    x[0, :6] = torch.tensor([1.0, 0.0, 2.0**24, 1.0, -(2.0**24), 0.0])
+    x = x.to(torch.bfloat16)
+    packed, gscale = pack_int4_vnni(torch.full((n, k), 9), torch.ones(n, 1))  # (9 - 8) * 1, one group
+    int4 = kernel.int4(x, packed, gscale, k, None, n)
+    int8 = kernel(x, pack_vnni(torch.ones(n, k, dtype=torch.int8)), None, n, torch.ones(n, dtype=torch.bfloat16))
+    assert torch.equal(int4.float(), torch.full((1, n), 0.0 if fma else 2.0))
+    assert torch.equal(int8.float(), torch.full((1, n), 1.0 if fma else 2.0))

@@ -25,10 +25,10 @@ def _int8(n: int, k: int, seed: int, symmetric: bool = True, bias: bool = False,
 
 
 @needs_vnni
-@pytest.mark.parametrize("path", ["vnni", "amx"])
+@pytest.mark.parametrize("path", ["vnni", "fma", "amx"])
 @pytest.mark.parametrize(("n", "k", "bias"), [(7, 48, False), (130, 576, True), (1000, 96, False)])
 def test_packed_int8_matches_the_int8_linear(n, k, bias, path, monkeypatch):
-    """Passes of up to 6 rows (int8 converted per pass), past 16 rows each panel widened once per work item,
+    """Passes of up to 6 rows (int8 converted per pass, to bf16 for vdpbf16ps or, `fma`, to float32), past 16 rows each panel widened once per work item,
     AMX tiles over widened panels, partial vectors and panels: each path within the float32-summation bound
     (llmopt.testing.rounding) of the float64 matmul over the int8 weight and its bf16 scales, and close to the
     module it replaces (another kernel, another order). K = 48 is no multiple of an AMX tile's 32: VNNI always."""
@@ -36,6 +36,7 @@ def test_packed_int8_matches_the_int8_linear(n, k, bias, path, monkeypatch):
     if path == "amx" and not kernel.amx:
         pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
     monkeypatch.setitem(kernel.amx_min_rows, torch.int8, 1 if path == "amx" else 10**9)
+    monkeypatch.setattr(kernel, "fma", path == "fma")  # passes in float32 FMAs, or vdpbf16ps
     mod = _int8(n, k, n + k, bias=bias)
     packed = PackedInt8Linear(mod, kernel)
     g = torch.Generator().manual_seed(5)
