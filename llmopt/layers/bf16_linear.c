@@ -22,7 +22,7 @@
 // lookup (vpermw) per 32 weights. Past that (prefill), each panel is dequantized once per work item to bf16
 // (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
 // the folds cost a fifth of the compute-bound passes' speed. On AMX tiles (bf16_linear_int4_amx, which
-// packed_linear.py picks from 5 rows) the panels are dequantized the same way at every row count.
+// packed_linear.py picks from 6 rows) the panels are dequantized the same way at every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <string.h>
@@ -417,9 +417,10 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // once for both kernels. Each thread multiplies blocks of 32 rows x 32 outputs: two A tiles (16 rows x 32 k of
 // x) by two B tiles into four float32 C tiles, and one tdpbf16ps does 16 x 16 x 32 products where vdpbf16ps
 // does 16 x 2. packed_linear.py's AMX_MIN_ROWS picks it by rows: bf16 from one row (at one row both kernels read
-// the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 from 6 rows (its
-// panels are widened to bf16 first), int4 from 5 rows (its panels dequantized to bf16 first, as past
-// WIDEN_ROWS_INT4 rows; below 5 rows the int4 passes' exact products are faster than the dequantizing). Past
+// the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 from 5 rows (its
+// panels are widened to bf16 first), int4 from 6 rows (its panels dequantized to bf16 first, as past
+// WIDEN_ROWS_INT4 rows; below 6 rows the int4 passes' exact products are faster than the dequantizing; both
+// measured against the float32 passes, which every CPU with AMX runs, being Intel's). Past
 // ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
 // tried and did not pay.
 #include <sys/syscall.h>

@@ -24,14 +24,14 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a MoE expert's projection (SparseMoeBlock's naming)
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 PANEL = 64  # outputs per panel of the VNNI layout (bf16_linear.c's PANEL)
-INT4_AMX_ROWS = 5  # measured on SmolLM2 and 1.2B shapes, hot and cold (docs/BENCHMARKS.md, "AMX")
+INT4_AMX_ROWS = 6  # measured on SmolLM2 and 1.2B shapes, cold, against the float32 passes (docs/BENCHMARKS.md)
 AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multiple of it for the AMX path
 # rows from which AMX tiles run a call where the CPU has them (docs/BENCHMARKS.md, "AMX"): bf16 weights at every
 # row count (even with one row AMX streams the weight as fast, and then every batch size rounds alike); int8
 # weights widen a panel to bf16 first, which pays only past a few rows (measured with the weights cold, as in
 # decode, on SmolLM2's and the 1.2B shapes); int4 panels (uint8 codes) are dequantized first, and below that many
 # rows the int4 kernel's own passes (exact products, no widening) are faster
-AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 6, torch.uint8: INT4_AMX_ROWS}
+AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 5, torch.uint8: INT4_AMX_ROWS}
 # CPUs whose int8 and int4 passes multiply in float32 FMAs rather than vdpbf16ps (bf16_linear_set_fma): on Intel
 # cores vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share, and the one-row passes
 # ran 1.3-1.7x faster in FMAs (docs/BENCHMARKS.md, "float32 passes"); AMD's Zen 4 runs vdpbf16ps at an FMA's
