@@ -19,8 +19,9 @@
 // group of G inputs and output, laid out [K / G][N rounded to 16]. Up to WIDEN_ROWS_INT4 rows, a pass sums
 // each group's products in its own float32 lanes and folds them into the output's with one multiply-add by
 // the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16 by one table
-// lookup (vpermw) per 32 weights. Past that (prefill), each panel is dequantized once per work item to bf16
-// (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
+// lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where vdpbf16ps is slow,
+// float32 for FMAs; the int8 passes too). Past that (prefill), each panel is dequantized once per work item to
+// bf16 (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
 // the folds cost a fifth of the compute-bound passes' speed. On AMX tiles (bf16_linear_int4_amx, which
 // packed_linear.py picks from 6 rows) the panels are dequantized the same way at every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
@@ -87,7 +88,7 @@ static void i4_table_init(void) {
 // in the low byte of both words of dword j (lane j / 4), one vpsrlvw shifts the high word's right by 4 (the
 // k + 1 nibble), and one vpermw looks both up: the low word's index keeps the k + 1 nibble's low bit in bit 4,
 // which the table's second half ignores. Three vector ops per 32 weights where widening each byte to a dword
-// and masking took five: on Intel cores, whose 512-bit ops share two ports, those ops bound the one-row pass.
+// and masking took five (1.13-1.16x at 1-2 rows on an Intel Xeon; not measured on AMD).
 static inline __m512bh int4x32_to_bf16(const uint8_t *p, const __m512i table, const __m512i spread,
                                        const __m512i shifts) {
     const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
@@ -122,8 +123,7 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
     if (grouped)
         for (int m = 0; m < MT_MAX; m++)
             for (int v = 0; v < NV; v++) gacc[m][v] = _mm512_setzero_ps();
-    // Grouped: a loop over each group's k and the fold after it (a `k % group` per pair row was an integer
-    // division per 128 weights at one row: on Intel cores it cost more than the row's arithmetic).
+    // Grouped: a loop over each group's k, then its fold (no `k % group` per pair row)
     const int64_t span = grouped ? group : K;
     for (int64_t k0 = 0, g = 0; k0 < K; k0 += span, g++) {
         for (int64_t k = k0; k < k0 + span; k += 2) {
@@ -226,7 +226,8 @@ static inline __attribute__((always_inline)) void panel_int4_f32_nv(const float 
         const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
         const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
         for (int m = 0; m < mt; m++)
-            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
     }
 }
 
@@ -255,11 +256,12 @@ static void panel_int4_f32(const float *x, int mt, int64_t K, const uint8_t *wp,
     }
 }
 
-// The int8 passes in float32 FMAs, of 1 or 2 rows over nv vectors (a whole panel): 16 bytes of a pair row (8 outputs x k, k + 1, in pair order) become 16
-// float32 weights by one vpmovsxbd and one vcvtdq2ps, multiplied by the row's x pair (x[k], x[k + 1]) broadcast
-// to every pair of lanes: a vector's lanes 2j and 2j + 1 hold output j's sums over even and odd k, added at the
-// end (two permutes per 16 outputs) and scaled. Three vector ops per 16 weights where the vdpbf16ps pass
-// converts to bf16 and pays for its vdpbf16ps (why, and where: the int4 passes above).
+// The int8 passes in float32 FMAs, of 1 or 2 rows over nv vectors (a whole panel): 16 bytes of a pair row
+// (8 outputs x k, k + 1, in pair order) become 16 float32 weights by one vpmovsxbd and one vcvtdq2ps, multiplied
+// by the row's x pair (x[k], x[k + 1]) broadcast to every pair of lanes: a vector's lanes 2j and 2j + 1 hold
+// output j's sums over even and odd k, added at the end (two permutes per 16 outputs) and scaled. Three vector
+// ops per 16 weights where the vdpbf16ps pass converts to bf16 and pays for its vdpbf16ps (why, and where: the
+// int4 passes above).
 static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float *x, const int mt, int64_t K,
                                                                     const int8_t *wp, const int nv,
                                                                     const uint16_t *scale, const uint16_t *bias,
@@ -364,7 +366,6 @@ static float *x_float_buffer(size_t n) {
     return buf;
 }
 
-
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
 static void widen_panel(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 32) {
@@ -411,9 +412,9 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // the weight at the same speed, past that the VNNI kernel is bound by vdpbf16ps), int8 from 5 rows (its
 // panels are widened to bf16 first), int4 from 6 rows (its panels dequantized to bf16 first, as past
 // WIDEN_ROWS_INT4 rows; below 6 rows the int4 passes' exact products are faster than the dequantizing; both
-// measured against the float32 passes, which every CPU with AMX runs, being Intel's). Past
-// ~512 rows oneDNN's own AMX kernels are 1.3-1.5x faster per call (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k blocking for L1 and row blocks for L2 were
-// tried and did not pay.
+// measured against the float32 passes, which every CPU with AMX runs, being Intel's). Past ~512 rows oneDNN's
+// own AMX kernels are 1.3-1.5x faster per call (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k
+// blocking for L1 and row blocks for L2 were tried and did not pay.
 #include <sys/syscall.h>
 #include <unistd.h>
 
