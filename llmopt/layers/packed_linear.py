@@ -33,9 +33,10 @@ AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multi
 # rows the int4 kernel's own passes (exact products, no widening) are faster
 AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 5, torch.uint8: INT4_AMX_ROWS}
 # CPUs whose int8 and int4 passes multiply in float32 FMAs rather than vdpbf16ps (bf16_linear_set_fma): on Intel
-# cores vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share, and the one-row passes
-# ran 1.3-1.7x faster in FMAs (docs/BENCHMARKS.md, "float32 passes"); AMD's Zen 4 runs vdpbf16ps at an FMA's
-# cost, twice the products, and keeps it (not measured there)
+# cores vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share, and with the weights
+# cold the passes of 1-5 rows ran 1.11-1.46x (int4) and 1.04-1.34x (int8) faster in FMAs (docs/BENCHMARKS.md,
+# "float32 passes"); AMD's Zen 4 is documented to run vdpbf16ps at an FMA's cost with twice the products, and
+# keeps it (not measured there)
 FMA_VENDORS = ("GenuineIntel",)
 
 
