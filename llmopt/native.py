@@ -52,26 +52,25 @@ def _torch_lib_dir() -> Path | None:
     return lib if any(lib.glob("libgomp*.so*")) else None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(*keys: str) -> str:
+    """The first /proc/cpuinfo line that starts with one of `keys`, or "" (no such line, or no /proc)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
     return ""
 
 
+def _cpu_flags() -> str:
+    return _cpuinfo_line("flags", "Features")
+
+
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it names none: the same
     instruction can cost twice as much on one vendor's cores (docs/BENCHMARKS.md, "float32 passes")."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_line("vendor_id").partition(":")[2].strip()
 
 
 def trim_heap() -> None:

@@ -232,29 +232,8 @@ static inline __attribute__((always_inline)) void panel_int4_f32_nv(const float 
 }
 
 #define FCASE(mt, nv) case (mt) * 8 + (nv): \
-    panel_int4_f32_nv(x, mt, K, wv, nv, vstride, bv, yv, N, vv, group, gv, gstride); \
+    panel_int4_f32_nv(xf, mt, K, wv, nv, vstride, bv, yv, N, vv, group, gv, gstride); \
     break;
-
-// The float32 passes over an int4 panel: up to 2 rows over the whole panel, up to 5 over half of it, more over
-// a quarter (the accumulators of a pass stay in registers).
-static void panel_int4_f32(const float *x, int mt, int64_t K, const uint8_t *wp, int nv, const uint16_t *bias,
-                           uint16_t *y, int64_t N, int64_t valid, int64_t group, const uint16_t *gscale,
-                           int64_t gstride) {
-    const int vstride = nv, step = mt <= 2 ? nv : mt <= 5 ? 2 : 1;
-    for (int v0 = 0; v0 < vstride; v0 += step) {
-        const int sub = vstride - v0 < step ? vstride - v0 : step;
-        const uint8_t *wv = wp + v0 * 16;
-        const uint16_t *bv = bias ? bias + v0 * 16 : NULL, *gv = gscale + v0 * 16;
-        uint16_t *yv = y + v0 * 16;
-        const int64_t vv = valid - v0 * 16;
-        switch (mt * 8 + sub) {
-            FCASE(1, 1) FCASE(1, 2) FCASE(1, 3) FCASE(1, 4) FCASE(2, 1) FCASE(2, 2) FCASE(2, 3) FCASE(2, 4)
-            FCASE(3, 1) FCASE(3, 2) FCASE(4, 1) FCASE(4, 2) FCASE(5, 1) FCASE(5, 2)
-            FCASE(6, 1) FCASE(7, 1) FCASE(8, 1)
-            default: break;
-        }
-    }
-}
 
 // The int8 passes in float32 FMAs, of 1 or 2 rows over nv vectors (a whole panel): 16 bytes of a pair row
 // (8 outputs x k, k + 1, in pair order) become 16 float32 weights by one vpmovsxbd and one vcvtdq2ps, multiplied
@@ -301,8 +280,8 @@ static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float 
 #define ICASE(mt, nv) case (mt) * 8 + (nv): panel_int8_f32_nv(x, mt, K, wp, nv, scale, bias, y, N, valid); break;
 
 // The float32 passes over an int8 panel: passes of up to 2 rows over the whole panel (its 16 accumulators per row
-// leave no registers for a third). Splitting the vectors instead, as panel_int4_f32 does, read every other cache
-// line of the panel per pass: 0.85-0.92x the vdpbf16ps pass at 3-4 rows with a 1.2B layer's weights cold.
+// leave no registers for a third). Splitting the vectors instead, as the int4 float32 passes do, read every other
+// cache line of the panel per pass: 0.85-0.92x the vdpbf16ps pass at 3-4 rows with a 1.2B layer's weights cold.
 static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, int nv, const uint16_t *scale,
                            const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
     for (int m0 = 0; m0 < mt; m0 += 2, x += 2 * K, y += 2 * N)
@@ -312,18 +291,28 @@ static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, 
         }
 }
 
-// Passes over an int4 panel with group folds: one row over the whole panel (four chains of sums), more rows over
-// NV_GROUPED of its vectors at a time.
-static void panel_int4(const uint16_t *x, int mt, int64_t K, const uint8_t *wp, int nv, const uint16_t *bias,
-                       uint16_t *y, int64_t N, int64_t valid, int64_t group, const uint16_t *gscale, int64_t gstride) {
-    const int vstride = nv, step = mt <= 3 ? nv : NV_GROUPED;
+// Passes over an int4 panel with group folds, in vdpbf16ps on x, or in float32 FMAs on xf (x in float32, where
+// bf16_linear_set_fma is on; else NULL). vdpbf16ps: up to 3 rows over the whole panel (four chains of sums), more
+// over NV_GROUPED of its vectors at a time; float32: up to 2 rows over the whole panel, up to 5 over half of it,
+// more over a quarter (a pass's accumulators stay in registers).
+static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, const uint8_t *wp, int nv,
+                       const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group,
+                       const uint16_t *gscale, int64_t gstride) {
+    const int vstride = nv, step = xf ? (mt <= 2 ? nv : mt <= 5 ? 2 : 1) : (mt <= 3 ? nv : NV_GROUPED);
     for (int v0 = 0; v0 < vstride; v0 += step) {
         const int sub = vstride - v0 < step ? vstride - v0 : step;
         const uint8_t *wv = wp + v0 * 16;
         const uint16_t *bv = bias ? bias + v0 * 16 : NULL, *gv = gscale + v0 * 16;
         uint16_t *yv = y + v0 * 16;
         const int64_t vv = valid - v0 * 16;
-        switch (mt * 8 + sub) {
+        if (xf)
+            switch (mt * 8 + sub) {
+                FCASE(1, 1) FCASE(1, 2) FCASE(1, 3) FCASE(1, 4) FCASE(2, 1) FCASE(2, 2) FCASE(2, 3) FCASE(2, 4)
+                FCASE(3, 1) FCASE(3, 2) FCASE(4, 1) FCASE(4, 2) FCASE(5, 1) FCASE(5, 2)
+                FCASE(6, 1) FCASE(7, 1) FCASE(8, 1)
+                default: break;
+            }
+        else switch (mt * 8 + sub) {
             GCASE(1, 1) GCASE(1, 2) GCASE(1, 3) GCASE(1, 4) GCASE(2, 1) GCASE(2, 2) GCASE(2, 3) GCASE(2, 4)
             GCASE(3, 1) GCASE(3, 2) GCASE(3, 3) GCASE(3, 4)
             GCASE(4, 1) GCASE(4, 2) GCASE(5, 1) GCASE(5, 2) GCASE(6, 1) GCASE(6, 2)
@@ -341,29 +330,27 @@ static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int stor
     }
 }
 
-// This thread's scratch of at least n bf16 values, kept for the next call: a fresh buffer of this size would be
-// mapped per call, and its page faults cost more than the conversion it holds. NULL when out of memory.
-static uint16_t *thread_buffer(size_t n) {
-    static _Thread_local uint16_t *buf;
-    static _Thread_local size_t cap;
-    if (n > cap) {
-        uint16_t *grown = (uint16_t *)realloc(buf, n * sizeof(uint16_t));
+// A thread's scratch, kept for its next call: a fresh buffer of a panel's size would be mapped per call, and its
+// page faults cost more than the conversion it holds. NULL when out of memory.
+struct scratch { void *buf; size_t cap; };
+
+static void *scratch_at_least(struct scratch *s, size_t bytes) {
+    if (bytes > s->cap) {
+        void *grown = realloc(s->buf, bytes);
         if (!grown) return NULL;
-        buf = grown, cap = n;
+        s->buf = grown, s->cap = bytes;
     }
-    return buf;
+    return s->buf;
 }
 
-// This thread's float32 scratch of at least n values, kept for the next call (as thread_buffer).
-static float *x_float_buffer(size_t n) {
-    static _Thread_local float *buf;
-    static _Thread_local size_t cap;
-    if (n > cap) {
-        float *grown = (float *)realloc(buf, n * sizeof(float));
-        if (!grown) return NULL;
-        buf = grown, cap = n;
-    }
-    return buf;
+static uint16_t *thread_buffer(size_t n) {  // n bf16 values (a widened panel)
+    static _Thread_local struct scratch s;
+    return (uint16_t *)scratch_at_least(&s, n * sizeof(uint16_t));
+}
+
+static float *x_float_buffer(size_t n) {  // n float32 values (x for the float32 passes; apart from thread_buffer)
+    static _Thread_local struct scratch s;
+    return (float *)scratch_at_least(&s, n * sizeof(float));
 }
 
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
@@ -613,12 +600,9 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                 for (int64_t m0 = c * chunk, mt; m0 < m_end; m0 += mt) {
                     const int64_t left = m_end - m0, passes = (left + step - 1) / step;
                     mt = grouped ? (left + passes - 1) / passes : (left < step ? left : step);  // int4: even passes
-                    if (grouped && xf)
-                        panel_int4_f32(xf + m0 * K, (int)mt, K, (const uint8_t *)w, (int)(width / 16), bp,
-                                       y + m0 * N + n0, N, valid, group, gscale + n0, n16);
-                    else if (grouped)
-                        panel_int4(x + m0 * K, (int)mt, K, (const uint8_t *)w, (int)(width / 16), bp,
-                                   y + m0 * N + n0, N, valid, group, gscale + n0, n16);
+                    if (grouped)
+                        panel_int4(x + m0 * K, xf ? xf + m0 * K : NULL, (int)mt, K, (const uint8_t *)w,
+                                   (int)(width / 16), bp, y + m0 * N + n0, N, valid, group, gscale + n0, n16);
                     else if (xf)
                         panel_int8_f32(xf + m0 * K, (int)mt, K, (const int8_t *)w, (int)(width / 16), sp, bp,
                                        y + m0 * N + n0, N, valid);
