@@ -97,6 +97,9 @@ def spinners(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
+SETTLE_S = 1.5  # `auto` decides by the last second's load (threads.LoadSampler): the previous variant's run is in it
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?")
@@ -128,6 +131,7 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             for v in variants:
+                time.sleep(SETTLE_S)  # the variant before it has just stopped: a quiet second before measuring
                 quiet[v.name].append(v.measure())
             procs = spinners(args.busy)
             time.sleep(1)

@@ -6,7 +6,11 @@ milliseconds, and every region of a decode step (hundreds per token) waits for i
 cores busy elsewhere, decode fell to 17% of its quiet speed (issue #31; llama.cpp falls as far). The
 same step on the cores nobody else is using keeps the share those cores can give. So `auto` counts the
 cores other processes keep busy (from /proc/stat, less this process's own time) and runs on the rest,
-looking again about once a second between engine steps, so a neighbour that comes or goes is followed.
+following a neighbour that comes or goes within about a second. The load is read once a second on a thread of
+its own (`LoadSampler`) and the engine takes the last reading between steps: read only between steps, the first
+reading after an idle stretch averaged over the whole stretch, load long gone included, and a decode that
+started on a quiet machine ran its first second on too few threads (docs/BENCHMARKS.md, "Decode on a shared
+CPU").
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Literal
 
@@ -76,6 +82,32 @@ class CpuLoad:
         return max(0.0, (d_busy - d_own) / d_total * self.cpus)
 
 
+class LoadSampler:
+    """`load.others()` every `period` seconds on a daemon thread: `latest` is the last full window's reading
+    (None before the first). Stops on `close()`; a process forked from this one has no such thread
+    (`alive` is False there), and its policy reads the load itself."""
+
+    def __init__(self, load: CpuLoad, period: float = RECHECK_S):
+        self._load, self.period = load, period
+        self.latest: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmopt-cpu-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            others = self._load.others()
+            if others is not None:
+                self.latest = others
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 _TORCH_DEFAULT = torch.get_num_threads()  # at import, before any engine changed it: OMP_NUM_THREADS or the cores
 
 
@@ -96,44 +128,56 @@ class ThreadPolicy:
     """Sets torch's thread count at start and, for `auto`, follows the free cores between steps (`tick`)."""
 
     def __init__(self, threads: Threads, load: CpuLoad | None = None, clock=time.monotonic,
-                 most: int | None = None):
+                 most: int | None = None, sampler: LoadSampler | None = None):
+        """`load`: read at each tick, at most once per RECHECK_S (a script of readings, in tests); without it,
+        `auto` reads /proc/stat on a `LoadSampler` (`sampler`, or its own, stopped with this policy)."""
         self.auto = threads == "auto"
         self.sets = threads is not None  # None: the process's setting, never touched
         self.most = most or default_threads()
         self._clock = clock
         self._load = load
+        self._sampler = sampler
         self._last = clock()
         if threads is None:  # as the process has it (a caller's torch.set_num_threads included)
             self.threads = torch.get_num_threads()
             return
         if self.auto:
-            if load is None:
+            if load is None and sampler is None:
                 self._load = CpuLoad()
                 time.sleep(0.2)  # a first reading over a short window
-            self.threads = self._pick(self.most)
+                first = self._pick(self.most)
+                self._sampler = LoadSampler(self._load)  # from here on, the load is the sampler's to read
+                weakref.finalize(self, self._sampler.close)
+                self.threads = first
+            else:
+                self.threads = self._pick(self.most)
         else:
             self.threads = int(threads)
         torch.set_num_threads(self.threads)
 
     def _pick(self, current: int) -> int:
-        assert self._load is not None
-        others = self._load.others()
+        if self._sampler is not None and self._sampler.alive:
+            others = self._sampler.latest
+        else:  # a scripted load, the first reading, or a forked process (whose sampler thread did not follow)
+            assert self._load is not None
+            others = self._load.others()
         return current if others is None else free_cores(others, self.most)
 
     def tick(self) -> None:
         """Between engine steps: put back this engine's count if another engine in the process changed
-        torch's (an A/B of two thread settings); with `auto`, at most once per RECHECK_S, move to the
-        cores now free."""
+        torch's (an A/B of two thread settings); with `auto`, move to the cores now free (by the sampler's
+        last reading, or at most once per RECHECK_S by reading the load here)."""
         if not self.sets:
             return
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         if not self.auto:
             return
-        now = self._clock()
-        if now - self._last < RECHECK_S:
-            return
-        self._last = now
+        if self._sampler is None or not self._sampler.alive:
+            now = self._clock()
+            if now - self._last < RECHECK_S:
+                return
+            self._last = now
         n = self._pick(self.threads)
         if n != self.threads:
             log.info("threads: %d -> %d (other processes keep %d of %d cores busy)", self.threads, n,

@@ -95,3 +95,50 @@ def test_bad_thread_counts_are_refused(bad):
 def test_thread_count_strings_are_counts():
     assert EngineConfig(num_threads="3").num_threads == 3
     assert EngineConfig(num_threads="auto").num_threads == "auto"
+
+
+class Quiet(Load):
+    """After the script, a quiet machine for ever."""
+
+    def others(self):
+        return self.values.pop(0) if self.values else 0.0
+
+
+def test_auto_decides_by_the_last_reading_not_by_an_idle_stretch():
+    """The sampler reads the load on its own thread, so the first step after an idle stretch sees the machine
+    as it is now: a neighbour that kept a core busy for most of the stretch and left is not counted. (Read
+    only between steps, one reading spanned the whole stretch and put the first second on one thread.)"""
+    from llmopt.engine.threads import LoadSampler
+
+    busy_then_quiet = Quiet([1.0] * 5)  # five readings with a neighbour, then none
+    sampler = LoadSampler(busy_then_quiet, period=0.01)
+    try:
+        policy = ThreadPolicy("auto", most=2, sampler=sampler)
+        deadline = time.monotonic() + 5
+        while sampler.latest != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        policy.tick()  # the neighbour, as the sampler last saw it
+        assert policy.threads == 1 and torch.get_num_threads() == 1
+        while (busy_then_quiet.values or sampler.latest != 0.0) and time.monotonic() < deadline:
+            time.sleep(0.005)  # idle: no steps, no ticks, while the neighbour leaves
+        policy.tick()  # the first step after the stretch: no wait for a new window
+        assert policy.threads == 2 and torch.get_num_threads() == 2
+    finally:
+        sampler.close()
+
+
+def test_a_real_auto_policy_samples_on_its_own_thread_and_stops_with_it():
+    import gc
+    import threading
+
+    def samplers():
+        return {t for t in threading.enumerate() if t.name == "llmopt-cpu-load"}
+
+    before = samplers()
+    policy = ThreadPolicy("auto", most=2)
+    (mine,) = samplers() - before  # one new thread, this policy's
+    assert 1 <= policy.threads <= 2
+    del policy
+    gc.collect()
+    mine.join(timeout=3 * RECHECK_S)
+    assert not mine.is_alive()
