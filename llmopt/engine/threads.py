@@ -158,9 +158,10 @@ class ThreadPolicy:
     def _pick(self, current: int) -> int:
         if self._sampler is not None and self._sampler.alive:
             others = self._sampler.latest
-        else:  # a scripted load, the first reading, or a forked process (whose sampler thread did not follow)
-            assert self._load is not None
+        elif self._load is not None:  # a scripted load, the first reading, or a forked process (no sampler thread)
             others = self._load.others()
+        else:  # a caller's sampler, closed: keep the count
+            others = None
         return current if others is None else free_cores(others, self.most)
 
     def tick(self) -> None:
