@@ -58,21 +58,20 @@ class Bf16LinearKernel:
         self.amx = self.available and bool(lib.bf16_linear_amx_available())
         self.amx_min_rows = dict(AMX_MIN_ROWS)
         self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
-        self._set_fma = getattr(lib, "bf16_linear_set_fma", None)  # absent from a library built before it
-        self._fma = False
+        # the library's switch (absent from a library built before it: then always off)
+        self._set_fma, self._get_fma = getattr(lib, "bf16_linear_set_fma", None), getattr(lib, "bf16_linear_fma", None)
         self.fma = native.cpu_vendor() in FMA_VENDORS
 
     @property
     def fma(self) -> bool:
         """Whether the int8 and int4 passes off AMX multiply in float32 FMAs (else vdpbf16ps); settable, for
         tests and benchmarks. Both meet the same float32-summation bound; their roundings differ."""
-        return self._fma
+        return self._get_fma is not None and bool(self._get_fma())
 
     @fma.setter
     def fma(self, on: bool) -> None:
         if self._set_fma is not None:
             self._set_fma(int(on))
-            self._fma = bool(on)
 
     def addresses(self) -> dict[str, int]:
         """The C functions' addresses, for callers that run them from C (llmopt/step/decode_step.c)."""
