@@ -556,8 +556,8 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
     const int grouped = storage == W_INT4 && !widen;  // a dequantized int4 panel needs no group folds
     const int step = grouped ? MT_GROUPED : MT;
     if (storage == W_INT4) i4_table_init();
-    const float *xf = NULL;  // x in float32 for the float32 passes
-    if (fma_passes && (grouped || (storage == W_INT8 && !widen))) {
+    const float *xf = NULL;  // x in float32 for the float32 passes (int8 and int4 panels not widened)
+    if (fma_passes && storage != W_BF16 && !widen) {
         float *buf = x_float_buffer((size_t)(M * K));
         if (!buf) return 2;
         for (int64_t i = 0; i < M * K; i++) buf[i] = bf16_to_f(x[i]);
