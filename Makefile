@@ -74,11 +74,12 @@ quant-peers: install
 	bash benchmarks/peers/install_llmcompressor.sh
 	$(PY) benchmarks/peers/quant_peers.py --write-doc $(QUANT_PEERS_ARGS)
 
-# Not part of `make test`: builds llama.cpp's tools (llama-imatrix too), then checkpoint bytes against held-out
-# perplexity for our quantizers, --scheme auto and llama.cpp's k-quant ladder with an importance matrix, on
-# SmolLM2 and Gemma 3 270M (about an hour on 2 cores); table and plot into docs/QUANTIZE.md ("The frontier")
+# Not part of `make test`: builds llama.cpp's tools (llama-imatrix too) and llm-compressor's venv, then checkpoint
+# bytes against held-out perplexity for our quantizers, --scheme auto, llm-compressor's RTN/GPTQ/AWQ and llama.cpp's
+# k-quant ladder with an importance matrix, on SmolLM2 and Gemma 3 270M (two to three hours on 2 cores); table and plot into docs/QUANTIZE.md ("The frontier")
 quant-frontier: install
 	bash benchmarks/peers/install_llamacpp.sh
+	bash benchmarks/peers/install_llmcompressor.sh
 	$(PY) benchmarks/quant_frontier.py --model smollm2-135m --write-doc $(FRONTIER_ARGS)
 	$(PY) benchmarks/quant_frontier.py --model gemma3-270m --write-doc $(FRONTIER_ARGS)
 

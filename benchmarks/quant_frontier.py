@@ -18,6 +18,11 @@ One protocol for every point (issue #32, part 6):
   head, and the embedding it is tied to, in int8 per row), the auto points again with `--lm-head auto` (the
   head inside the budget), and RTN and AWQ with asymmetric smallest groups (`--asym`) and the int8 head. Checkpoints are compressed-tensors as `llmopt quantize` writes them by
   default: the float32 tensors outside the layers (embedding, final norm) in bf16.
+* llm-compressor (in its own venv, benchmarks/peers/install_llmcompressor.sh; through
+  benchmarks/peers/llmcompressor_worker.py): RTN, GPTQ (its default actorder "static") and AWQ at the same
+  group sizes, and W8A16 per channel, on the same windows as token ids, from the same float32 folder loaded in
+  bf16 as its examples do (so what it leaves unquantized, the embedding and head, is stored in bf16 as ours is;
+  it quantizes no embedding). Its checkpoints are compressed-tensors too and are scored by our engine like ours.
 * Bytes: every tensor the checkpoint stores (safetensors files; a GGUF's tensor data, without its tokenizer
   metadata), embedding and head included.
 * Scoring: the same code for every point, our engine in float32 as `llmopt eval --ppl-data F --seq-len 512
@@ -49,11 +54,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks/peers"))
 
 TEXTS = {"wikitext2": ROOT.parent / "shared/data/wikitext2-valid.txt",
          "tinyshakespeare": ROOT.parent / "shared/data/tinyshakespeare.txt"}
 CALIB = [str(ROOT / "calibration_data/general_prose.jsonl"), str(ROOT / "calibration_data/kb_calibration.jsonl")]
 LLAMACPP = ROOT / ".peers/llama.cpp"
+LLMCOMPRESSOR = ROOT / ".peers/llmcompressor"
 LADDER = "Q3_K_M,Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0"
 DOC = ROOT / "docs/QUANTIZE.md"
 SEQ = 512
@@ -69,8 +76,8 @@ def doc_markers(model: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ the points
-def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any]]:
-    """label -> QuantizeConfig options, for every group size that divides each linear's input width."""
+def group_sizes(model_dir: Path) -> list[int]:
+    """The int4 group sizes (128, 64, 32) that divide every linear's input width, largest first."""
     import torch
 
     from llmopt.group_size import is_valid_group_size
@@ -80,11 +87,15 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
 
     empty = build_empty(resolve_model(str(model_dir)), torch.float32, "cpu")  # meta: shapes only
     widths = {m.weight.shape[1] for _, m in iter_linears(empty)}
+    return [g for g in (128, 64, 32) if is_valid_group_size(widths, g)]
+
+
+def our_points(groups: list[int], budgets: list[float]) -> dict[str, dict[str, Any]]:
+    """label -> QuantizeConfig options, at each of `groups` (group_sizes)."""
     points: dict[str, dict[str, Any]] = {}
     for method in ("rtn", "gptq", "awq"):
-        for g in (128, 64, 32):
-            if is_valid_group_size(widths, g):
-                points[f"W4A16 g{g} {method.upper()}"] = {"scheme": "w4a16", "group_size": g, "method": method}
+        for g in groups:
+            points[f"W4A16 g{g} {method.upper()}"] = {"scheme": "w4a16", "group_size": g, "method": method}
     points["W8A16 RTN"] = {"scheme": "w8a16"}
     for b in budgets:
         points[f"auto {b:g} bits GPTQ"] = {"scheme": "auto", "target_bits": b, "method": "gptq"}
@@ -93,7 +104,7 @@ def our_points(model_dir: Path, budgets: list[float]) -> dict[str, dict[str, Any
         points[f"auto {budgets[0]:g} bits AWQ"] = {"scheme": "auto", "target_bits": budgets[0], "method": "awq"}
         points[f"auto {budgets[0]:g} bits GPTQ|AWQ"] = {"scheme": "auto", "target_bits": budgets[0], "method": "auto"}
     # the same with the head (the tied embedding) in int8 per row: what llama.cpp's ladder does to it too
-    smallest = min((g for g in (128, 64, 32) if is_valid_group_size(widths, g)), default=None)
+    smallest = min(groups, default=None)
     for label in [k for k in points if "GPTQ" in k or k.startswith("auto") or k == "W8A16 RTN"
                   or k.startswith(f"W4A16 g{smallest} ")]:
         points[f"{label} + int8 head"] = {**points[label], "lm_head": "int8"}
@@ -136,6 +147,25 @@ def quantize_ours(model: str, opts: dict[str, Any], out: Path, calib: Path, plan
         extra |= {"bits": report.auto["bits"], "predicted_kl": report.auto["predicted_kl"],
                   "measured_kl": report.auto["measured_kl"]}
     return extra
+
+
+def llmcompressor_points(groups: list[int]) -> dict[str, dict[str, Any]]:
+    """label -> llmcompressor_worker.py job fields: its three W4A16 methods at each group size, and W8A16."""
+    points = {f"llm-compressor W4A16 g{g} {m.upper()}": {"method": m, "num_bits": 4, "group_size": g}
+              for m in ("rtn", "gptq", "awq") for g in groups}
+    points["llm-compressor W8A16 RTN"] = {"method": "rtn", "num_bits": 8, "group_size": None}
+    return points
+
+
+def quantize_llmcompressor(model_dir: Path, job: dict[str, Any], out: Path, windows: Path,
+                           threads: int) -> dict[str, Any]:
+    from quant_peers import llmcompressor_job
+
+    shutil.rmtree(out, ignore_errors=True)
+    res = llmcompressor_job(LLMCOMPRESSOR, {"model_dir": str(model_dir), "symmetric": True, "ignore": ["lm_head"],
+                                            "dtype": "bfloat16", "windows": str(windows), "out_dir": str(out),
+                                            "threads": threads, **job}, out)
+    return {"quantize_s": res["wall_s"], "versions": res["versions"]}
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -245,14 +275,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
               ("wikitext-2 KL(fp32 || point) per token (nats, log; 1e-4 at the least)",
                lambda r: max(r["kl"]["wikitext2"], 1e-4) if r.get("kl") else None)]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
-    markers = {"llama.cpp (imatrix)": "s", "llmopt auto": "*", "llmopt, int8 head": "D"}
+    markers = {"llama.cpp (imatrix)": "s", "llmopt auto": "*", "llmopt, int8 head": "D", "llm-compressor": "x"}
     for ax, (ylabel, value) in zip(axes, panels, strict=True):
         series: dict[str, list[tuple[float, float, str]]] = {}
         for r in result["points"].values():
             label, y = r["label"], value(r)
             if y is None:
                 continue
-            fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llmopt, int8 head" if label.endswith("int8 head")
+            fam = ("llama.cpp (imatrix)" if r["tool"] == "llama.cpp" else "llm-compressor" if r["tool"] == "llm-compressor"
+                   else "llmopt, int8 head" if label.endswith("int8 head")
                    else "llmopt auto" if label.startswith("auto") else f"llmopt {label.split()[-1]}"
                    if label.startswith("W4A16") else "llmopt W8A16")
             series.setdefault(fam, []).append((r["bytes"] / 1e6, y, label))
@@ -262,7 +293,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     linestyle="-" if fam.startswith("llama.cpp") else "", label=fam,
                     markersize=10 if fam in markers else 6)
             for x, y, label in pts:
-                short = label.replace(" + int8 head", "").replace(" bits ", "b ").replace("W4A16 ", "").replace("llama.cpp ", "")
+                short = (label.replace(" + int8 head", "").replace(" bits ", "b ").replace("W4A16 ", "")
+                         .replace("llama.cpp ", "").replace("llm-compressor ", "llmc "))
                 ax.annotate(short, (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
         ax.set_yscale("log")
         ax.set_xlabel("checkpoint MB (every tensor: embedding and head included)")
@@ -296,6 +328,8 @@ def main() -> None:
     ap.add_argument("--ladder", default=LADDER, help="llama.cpp types, each with the importance matrix")
     ap.add_argument("--only", default="", help="comma list of point labels to run (default: all)")
     ap.add_argument("--reuse", action="store_true", help="keep points already in the results file")
+    ap.add_argument("--no-llmcompressor", action="store_true",
+                    help="leave out llm-compressor's points (they need benchmarks/peers/install_llmcompressor.sh)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     ap.add_argument("--work", type=Path, default=ROOT / "runs/quant-frontier")
     ap.add_argument("--write-doc", action="store_true", help="put the table into docs/QUANTIZE.md")
@@ -327,6 +361,8 @@ def main() -> None:
     calib_text = work / "calibration.txt"
     windows = SavedStats.load(calib / "stats.safetensors").windows.tolist()
     calib_text.write_text("".join(tok.decode(w, skip_special_tokens=True) for w in windows), encoding="utf-8")
+    windows_json = work / "calibration-windows.json"  # the same windows as token ids, for llm-compressor
+    windows_json.write_text(json.dumps({"windows": windows}))
 
     result: dict[str, Any] = json.loads(results_file.read_text()) if args.reuse and results_file.is_file() else {}
     result.setdefault("threads", args.threads)  # the threads the points ran with: updated when one runs
@@ -354,9 +390,12 @@ def main() -> None:
         baseline()
     save()
 
+    groups = group_sizes(model_dir)
     plan: dict[str, tuple[str, Any]] = {k: ("llmopt", v) for k, v in
-                                        our_points(model_dir, [float(b) for b in args.budgets.split(",") if b]).items()}
+                                        our_points(groups, [float(b) for b in args.budgets.split(",") if b]).items()}
     plan |= {f"llama.cpp {q}": ("llama.cpp", q) for q in args.ladder.split(",") if q}
+    if not args.no_llmcompressor:
+        plan |= {k: ("llm-compressor", v) for k, v in llmcompressor_points(groups).items()}
     only = set(filter(None, args.only.split(",")))
     plans: dict[tuple, Any] = {}  # one --scheme auto search per (method, head in the budget)
     for label, (tool, what) in plan.items():
@@ -366,6 +405,17 @@ def main() -> None:
         if tool == "llmopt":
             out = work / "ckpt"
             extra = quantize_ours(args.model, what, out, calib, plans)
+        elif tool == "llm-compressor":
+            out = work / "ckpt-llmcompressor"
+            try:
+                extra = quantize_llmcompressor(model_dir, what, out, windows_json, args.threads)
+            except RuntimeError as e:  # a peer's failure is a finding, recorded; the other points go on
+                log(f"{label}: {e}")
+                result.setdefault("failed", {})[label] = str(e)
+                save()
+                continue
+            result["llmcompressor"] = extra.pop("versions")
+            result.get("failed", {}).pop(label, None)
         else:
             f32, imatrix = llamacpp_sources(model_dir, calib_text, len(windows), work, args.threads)
             out = work / f"{what}.gguf"
@@ -377,21 +427,27 @@ def main() -> None:
         row = {"label": label, "tool": tool, "bytes": checkpoint_bytes(out), **score(scored, texts, baseline()),
                **extra}
         shutil.rmtree(scored, ignore_errors=True)  # a GGUF's dequantized copy in llmopt's cache: hundreds of MB
-        out.unlink(missing_ok=True)
+        if out.is_file():
+            out.unlink()
         result["points"][label] = row
         result["threads"] = args.threads
         save()
         log(f"{label}: {row['bytes'] / 1e6:.1f} MB, ppl {row['ppl']}, KL {row.get('kl')}")
 
     text = table(result)
+    if result.get("failed"):
+        text += "\n\nFailed: " + "; ".join(f"{k}: {v.split(' (log:')[0]}" for k, v in result["failed"].items())
     print(text)
     png = (ROOT / "docs" if args.write_doc else work) / f"quant-frontier-{args.model}.png"
     plot(result, png)
     log(f"plot: {png}")
     if args.write_doc:
+        llmc = result.get("llmcompressor")
+        peer = (f"; llm-compressor {llmc['llmcompressor']} (compressed-tensors {llmc['compressed_tensors']}, "
+                f"transformers {llmc['transformers']})" if llmc else "")
         write_doc(args.model, f"{result['model']}, {result['tokens']} held-out tokens per text, {result['num_samples']} "
                   f"x {SEQ} calibration windows; {result['cpu']}, {result['threads']} threads, torch {result['torch']}; "
-                  f"llama.cpp {result['llamacpp']}.\n\n{text}\n\n![{args.model} frontier](quant-frontier-{args.model}.png)")
+                  f"llama.cpp {result['llamacpp']}{peer}.\n\n{text}\n\n![{args.model} frontier](quant-frontier-{args.model}.png)")
 
 
 if __name__ == "__main__":

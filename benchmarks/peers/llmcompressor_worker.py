@@ -1,8 +1,9 @@
 """Runs inside llm-compressor's own venv (.peers/llmcompressor): quantize one model with one modifier.
 
-Reads a job JSON {model_dir, method: rtn|gptq|awq, group_size, symmetric, ignore, windows (path of a JSON
-file {"windows": [[ids]]}, for gptq/awq), out_dir, threads, options: {actorder, dampening_frac, block_size,
-observer, ...}} and writes {"ok": true, "wall_s", "cpu_s", "versions": {...}, "recipe": "..."} or
+Reads a job JSON {model_dir, method: rtn|gptq|awq, num_bits (4 or 8; default 4), group_size (None: one scale
+per output channel), symmetric, ignore, dtype (the model's load dtype, default float32), windows (path of a
+JSON file {"windows": [[ids]]}, for gptq/awq), out_dir, threads, options: {actorder, dampening_frac,
+block_size, observer, ...}} and writes {"ok": true, "wall_s", "cpu_s", "versions": {...}, "recipe": "..."} or
 {"ok": false, "error": "one line"}. The checkpoint is saved compressed (pack-quantized) into out_dir.
 It imports nothing from llmopt, so it runs under llm-compressor's Python and dependencies alone.
 """
@@ -25,8 +26,9 @@ def _scheme(job: dict) -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     opts = job.get("options", {})
-    args = {"num_bits": 4, "type": "int", "symmetric": job["symmetric"], "strategy": "group",
-            "group_size": job["group_size"], "dynamic": False}
+    group = job.get("group_size")
+    args = {"num_bits": job.get("num_bits", 4), "type": "int", "symmetric": job["symmetric"],
+            "strategy": "group" if group else "channel", "group_size": group, "dynamic": False}
     if opts.get("observer"):
         args["observer"] = opts["observer"]
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))}
@@ -72,7 +74,7 @@ def main(job_path: str, out_path: str) -> None:
 
         torch.set_num_threads(job.get("threads", torch.get_num_threads()))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=getattr(torch, job.get("dtype", "float32")))
         tok = AutoTokenizer.from_pretrained(job["model_dir"])
         recipe = _recipe(job)
         kw: dict = {}

@@ -119,14 +119,14 @@ def run_llmopt(method: str, opts: dict[str, Any], out: Path, calib: Path, args: 
     return {"wall_s": round(time.perf_counter() - t, 1)}
 
 
-def run_llmcompressor(method: str, opts: dict[str, Any], out: Path, windows: Path, args: argparse.Namespace) -> dict:
-    py = ROOT / args.llmcompressor_venv / "bin/python"
+def llmcompressor_job(venv: Path, job: dict[str, Any], out: Path) -> dict:
+    """Run one job (llmcompressor_worker.py's docstring) in llm-compressor's venv; its result, or a RuntimeError
+    naming the log. The job and result files and the log sit next to `out`."""
+    py = venv / "bin/python"
     if not py.is_file():
         raise SystemExit(f"error: {py} missing; run {INSTALL.relative_to(ROOT)} first")
-    job = {"model_dir": str(model_dir()), "method": method, "group_size": args.group_size, "symmetric": True,
-           "ignore": ["lm_head"], "windows": str(windows), "out_dir": str(out), "threads": args.threads,
-           "options": opts}
     job_path, res_path = out.with_suffix(".job.json"), out.with_suffix(".result.json")
+    res_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     with open(out.with_suffix(".log"), "w") as logf:
@@ -134,8 +134,15 @@ def run_llmcompressor(method: str, opts: dict[str, Any], out: Path, windows: Pat
                        env=env, check=False)
     res = json.loads(res_path.read_text()) if res_path.is_file() else {"ok": False, "error": "worker died"}
     if not res.get("ok"):
-        raise RuntimeError(f"llm-compressor {method}: {res.get('error')} (log: {out.with_suffix('.log')})")
+        raise RuntimeError(f"llm-compressor {job['method']}: {res.get('error')} (log: {out.with_suffix('.log')})")
     return res
+
+
+def run_llmcompressor(method: str, opts: dict[str, Any], out: Path, windows: Path, args: argparse.Namespace) -> dict:
+    job = {"model_dir": str(model_dir()), "method": method, "group_size": args.group_size, "symmetric": True,
+           "ignore": ["lm_head"], "windows": str(windows), "out_dir": str(out), "threads": args.threads,
+           "options": opts}
+    return llmcompressor_job(ROOT / args.llmcompressor_venv, job, out)
 
 
 def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
