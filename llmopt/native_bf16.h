@@ -14,8 +14,18 @@ static inline uint16_t f_to_bf16(float f) {  // round to nearest even, as torch 
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include <immintrin.h>
+
+// 16 bf16 as 16 float32, exact (a bf16 is a float32's upper half): paged_decode.c's K/V rows whole, bf16_linear.c's
+// scales and biases through a masked load (AVX512BW) for the last, partial vector of a panel.
+static inline __m512 bf16x16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 bf16x16_to_f32(const uint16_t *p) { return bf16x16_widen(_mm256_loadu_si256((const __m256i *)p)); }
+#endif
+
+#ifdef __AVX512BF16__
 
 // 32 int8 weights as 32 bf16, in order (exact: |w| <= 128). The int8 matmuls share it: converting is what
 // bounds them at a few rows.

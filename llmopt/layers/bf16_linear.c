@@ -75,7 +75,7 @@ int bf16_linear_fma(void) { return fma_passes; }
 #include <stdlib.h>
 
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {  // 16 bf16 as float32, masked
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    return bf16x16_widen(_mm256_maskz_loadu_epi16(mask, p));
 }
 
 static uint16_t I4_TABLE[32];  // bf16 of q - 8 at index q and q + 16 (vpermw reads 5 bits of an index word)

@@ -164,10 +164,6 @@ static inline __m512 hsum16(const __m512 *v) {
                          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
 }
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 // p.v for the vectorized paths (D a multiple of 16, at most 256): out[g] = sum over positions of sc[g] * V row /
 // sum[g], the output of up to 16 / (D / 16) query heads kept in registers over the whole context. V rows are
 // bf16 as block_run returns them (times their row scales where quantized) and out bf16, or, with `f32`, both
