@@ -3,6 +3,7 @@
     make quant-frontier      # llama.cpp's tools (benchmarks/peers/install_llamacpp.sh), then SmolLM2 and Gemma 3
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quant_frontier.py --model smollm2-135m \\
         [--tokens 8192] [--num-samples 16] [--budgets 4.5,5,6] [--only LABEL,...] [--reuse] [--write-doc]
+        [--no-llmcompressor]
 
 One protocol for every point (issue #32, part 6):
 

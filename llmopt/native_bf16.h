@@ -1,5 +1,5 @@
-// bf16 <-> float32 (and, with AVX512-BF16, int8 -> bf16) for our C kernels (llmopt/native.py puts this folder on
-// their include path and hashes this file into each build's cache key).
+// bf16 <-> float32 (with AVX512F, 16 at a time; with AVX512-BF16, int8 -> bf16) for our C kernels (llmopt/native.py
+// puts this folder on their include path and hashes this file into each build's cache key).
 #ifndef LLMOPT_NATIVE_BF16_H
 #define LLMOPT_NATIVE_BF16_H
 #include <stdint.h>
