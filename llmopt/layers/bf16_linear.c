@@ -16,7 +16,9 @@
 //
 // int4 (W4A16, symmetric groups; bf16_linear_int4): the same panels with one byte per output and pair of k,
 // the low nibble k and the high one k + 1, codes q in 0..15 for the weight (q - 8) * s; s is a bf16 scale per
-// group of G inputs and output, laid out [K / G][N rounded to 16]. Up to WIDEN_ROWS_INT4 rows, a pass sums
+// group of G inputs and output, laid out panel by panel, each [K / G][width] (so a pass reads them in order, as
+// it reads the panel: rows of all N outputs put each group's scales a page or more apart, a demand miss per
+// group that cost 1.18x at one row on the Intel VM, docs/BENCHMARKS.md "group scales"). Up to WIDEN_ROWS_INT4 rows, a pass sums
 // each group's products in its own float32 lanes and folds them into the output's with one multiply-add by
 // the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16 by one table
 // lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where vdpbf16ps is slow,
@@ -592,7 +594,9 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                 int ws = storage;
                 if (widen) {
                     if (held != p) {
-                        if (storage == W_INT4) widen_panel_int4((const uint8_t *)w, width, K, gscale + n0, n16, group, buf);
+                        if (storage == W_INT4)
+                            widen_panel_int4((const uint8_t *)w, width, K, gscale + n0 * (K / group), width, group,
+                                             buf);
                         else widen_panel((const int8_t *)w, width * K, buf);
                     }
                     held = p, w = buf, ws = W_BF16;
@@ -609,7 +613,8 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                     mt = grouped ? (left + passes - 1) / passes : (left < step ? left : step);  // int4: even passes
                     if (grouped)
                         panel_int4(x + m0 * K, xf ? xf + m0 * K : NULL, (int)mt, K, (const uint8_t *)w,
-                                   (int)(width / 16), bp, y + m0 * N + n0, N, valid, group, gscale + n0, n16);
+                                   (int)(width / 16), bp, y + m0 * N + n0, N, valid, group,
+                                   gscale + n0 * (K / group), width);
                     else if (xf)
                         panel_int8_f32(xf + m0 * K, (int)mt, K, (const int8_t *)w, (int)(width / 16), sp, bp,
                                        y + m0 * N + n0, N, valid);

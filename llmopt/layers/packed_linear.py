@@ -147,7 +147,9 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
 def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int4 codes q [N, K] (0..15, the weight being (q - 8) * scale) and group scales [N, K / G] ->
     bf16_linear.c's int4 panels (uint8, one byte per output and pair of k: low nibble k, high k + 1) and the
-    scales as bf16 [K / G, N rounded up to 16] (zero for the padding outputs)."""
+    scales as flat bf16 panel by panel, each [K / G][width] (zero for the padding outputs): a pass reads its
+    panel's scales in order, where rows of all N outputs put each group's scales a page or more apart (a
+    demand miss per group, which the weight stream's prefetch never covers)."""
     n, k = q.shape
     n16 = n + -n % 16
     q8 = q.to(torch.uint8)
@@ -157,8 +159,12 @@ def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
         width = min(PANEL, n16 - p0)
         rows = pairs[p0:p0 + width]
         out[p0 * k // 2:(p0 + width) * k // 2].view(k // 2, width)[:, :rows.shape[0]].copy_(rows.t())
-    gscale = torch.zeros(scale.shape[1], n16, dtype=torch.bfloat16)
-    gscale[:, :n] = scale.t().to(torch.bfloat16)
+    groups = scale.shape[1]
+    gscale = torch.zeros(n16 * groups, dtype=torch.bfloat16)
+    for p0 in range(0, n, PANEL):
+        width = min(PANEL, n16 - p0)
+        rows = scale[p0:p0 + width]
+        gscale[p0 * groups:(p0 + width) * groups].view(groups, width)[:, :rows.shape[0]].copy_(rows.t())
     return out, gscale
 
 

@@ -241,7 +241,7 @@ def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k
     assert not torch.equal(w, w_bf16)  # the two references differ, so each check below can fail
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     packed, gscale = pack_int4_vnni(q, s)
-    assert packed.numel() == (n + -n % 16) * k // 2 and gscale.shape == (k // group, n + -n % 16)
+    assert packed.numel() == (n + -n % 16) * k // 2 and gscale.numel() == k // group * (n + -n % 16)
     for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 64, 65, 80):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = kernel.int4(x, packed, gscale, group, bias, n)
