@@ -18,11 +18,11 @@
 // the low nibble k and the high one k + 1, codes q in 0..15 for the weight (q - 8) * s; s is a bf16 scale per
 // group of G inputs and output, laid out panel by panel, each [K / G][width] (so a pass reads them in order, as
 // it reads the panel: rows of all N outputs put each group's scales a page or more apart, a demand miss per
-// group that cost 1.18x at one row on the Intel VM, docs/BENCHMARKS.md "group scales"). Up to WIDEN_ROWS_INT4 rows, a pass sums
-// each group's products in its own float32 lanes and folds them into the output's with one multiply-add by
-// the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16 by one table
-// lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where vdpbf16ps is slow,
-// float32 for FMAs; the int8 passes too). Past that (prefill), each panel is dequantized once per work item to
+// group that cost 1.18x at one row on the Intel VM, docs/BENCHMARKS.md "group scales"). Up to WIDEN_ROWS_INT4
+// rows, a pass sums each group's products in its own float32 lanes and folds them into the output's with one
+// multiply-add by the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16
+// by one table lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where
+// vdpbf16ps is slow, float32 for FMAs; the int8 passes too). Past that (prefill), each panel is dequantized once per work item to
 // bf16 (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
 // the folds cost a fifth of the compute-bound passes' speed. On AMX tiles (bf16_linear_int4_amx, which
 // packed_linear.py picks from 6 rows) the panels are dequantized the same way at every row count.

@@ -155,16 +155,14 @@ def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
     q8 = q.to(torch.uint8)
     pairs = q8[:, 0::2] | (q8[:, 1::2] << 4)  # [N, K / 2]
     out = torch.full((n16 * k // 2,), 0x88, dtype=torch.uint8)  # padding outputs: code 8, weight 0
-    for p0 in range(0, n, PANEL):
-        width = min(PANEL, n16 - p0)
-        rows = pairs[p0:p0 + width]
-        out[p0 * k // 2:(p0 + width) * k // 2].view(k // 2, width)[:, :rows.shape[0]].copy_(rows.t())
     groups = scale.shape[1]
     gscale = torch.zeros(n16 * groups, dtype=torch.bfloat16)
     for p0 in range(0, n, PANEL):
         width = min(PANEL, n16 - p0)
-        rows = scale[p0:p0 + width]
-        gscale[p0 * groups:(p0 + width) * groups].view(groups, width)[:, :rows.shape[0]].copy_(rows.t())
+        rows = pairs[p0:p0 + width]
+        out[p0 * k // 2:(p0 + width) * k // 2].view(k // 2, width)[:, :rows.shape[0]].copy_(rows.t())
+        gscale[p0 * groups:(p0 + width) * groups].view(groups, width)[:, :rows.shape[0]].copy_(
+            scale[p0:p0 + width].t())
     return out, gscale
 
 
