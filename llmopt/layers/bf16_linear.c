@@ -302,12 +302,13 @@ static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, 
 
 // Passes over an int4 panel with group folds, in vdpbf16ps on x, or in float32 FMAs on xf (x in float32, where
 // bf16_linear_set_fma is on; else NULL). vdpbf16ps: up to 3 rows over the whole panel (four chains of sums), more
-// over NV_GROUPED of its vectors at a time; float32: up to 2 rows over the whole panel, up to 5 over half of it,
-// more over a quarter (a pass's accumulators stay in registers).
+// over NV_GROUPED of its vectors at a time; float32: up to 5 rows over the whole panel, more over a quarter. At
+// 3-5 rows some of the 2 x mt x 4 accumulators spill to the stack, which costs less than a pass over half the
+// panel reading each cache line of it twice (1.2x at 3-5 rows from DRAM, docs/BENCHMARKS.md "group scales").
 static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, const uint8_t *wp, int nv,
                        const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group,
                        const uint16_t *gscale, int64_t gstride) {
-    const int vstride = nv, step = xf ? (mt <= 2 ? nv : mt <= 5 ? 2 : 1) : (mt <= 3 ? nv : NV_GROUPED);
+    const int vstride = nv, step = xf ? (mt <= 5 ? nv : 1) : (mt <= 3 ? nv : NV_GROUPED);
     for (int v0 = 0; v0 < vstride; v0 += step) {
         const int sub = vstride - v0 < step ? vstride - v0 : step;
         const uint8_t *wv = wp + v0 * 16;
@@ -317,7 +318,8 @@ static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, co
         if (xf)
             switch (mt * 8 + sub) {
                 FCASE(1, 1) FCASE(1, 2) FCASE(1, 3) FCASE(1, 4) FCASE(2, 1) FCASE(2, 2) FCASE(2, 3) FCASE(2, 4)
-                FCASE(3, 1) FCASE(3, 2) FCASE(4, 1) FCASE(4, 2) FCASE(5, 1) FCASE(5, 2)
+                FCASE(3, 1) FCASE(3, 2) FCASE(3, 3) FCASE(3, 4) FCASE(4, 1) FCASE(4, 2) FCASE(4, 3) FCASE(4, 4)
+                FCASE(5, 1) FCASE(5, 2) FCASE(5, 3) FCASE(5, 4)
                 FCASE(6, 1) FCASE(7, 1) FCASE(8, 1)
                 default: break;
             }
