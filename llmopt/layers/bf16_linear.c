@@ -22,10 +22,11 @@
 // rows, a pass sums each group's products in its own float32 lanes and folds them into the output's with one
 // multiply-add by the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16
 // by one table lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where
-// vdpbf16ps is slow, float32 for FMAs; the int8 passes too). Past that (prefill), each panel is dequantized once per work item to
-// bf16 (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's:
-// the folds cost a fifth of the compute-bound passes' speed. On AMX tiles (bf16_linear_int4_amx, which
-// packed_linear.py picks from 6 rows) the panels are dequantized the same way at every row count.
+// vdpbf16ps is slow, float32 for FMAs; the int8 passes too). Past that (prefill), each panel is dequantized once
+// per work item to bf16 (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the
+// passes are bf16's: the folds cost a fifth of the compute-bound passes' speed. On AMX tiles
+// (bf16_linear_int4_amx, which packed_linear.py picks from 6 rows) the panels are dequantized the same way at
+// every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <string.h>
@@ -251,7 +252,7 @@ static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float 
                                                                     const int8_t *wp, const int nv,
                                                                     const uint16_t *scale, const uint16_t *bias,
                                                                     uint16_t *y, int64_t N, int64_t valid) {
-    __m512 acc[2][2 * NV];  // [m][2v]: outputs 16v..16v+7 (even and odd k), [m][2v + 1]: 16v+8..16v+15
+    __m512 acc[4][2 * NV];  // [m][2v]: outputs 16v..16v+7 (even and odd k), [m][2v + 1]: 16v+8..16v+15
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < 2 * nv; j++) acc[m][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
@@ -288,14 +289,19 @@ static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float 
 
 #define ICASE(mt, nv) case (mt) * 8 + (nv): panel_int8_f32_nv(x, mt, K, wp, nv, scale, bias, y, N, valid); break;
 
-// The float32 passes over an int8 panel: passes of up to 2 rows over the whole panel (its 16 accumulators per row
-// leave no registers for a third). Splitting the vectors instead, as the int4 float32 passes do, read every other
-// cache line of the panel per pass: 0.85-0.92x the vdpbf16ps pass at 3-4 rows with a 1.2B layer's weights cold.
+// The float32 passes over an int8 panel: passes of up to 4 rows over the whole panel. Past 2 rows some of the 16
+// accumulators per row spill to the stack, which costs less than reading the panel again in passes of 2 rows
+// (1.30-1.33x at 3 rows, 1.29x at 4, a 1.2B model's worth from DRAM; docs/BENCHMARKS.md "group scales"); past 4,
+// passes of 2 (Intel cores run int8 on AMX tiles from 5 rows). Splitting the vectors instead, as the int4
+// float32 passes past 5 rows do, read every other cache line of the panel per pass: 0.85-0.92x the vdpbf16ps pass
+// at 3-4 rows with a 1.2B layer's weights cold.
 static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, int nv, const uint16_t *scale,
                            const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
-    for (int m0 = 0; m0 < mt; m0 += 2, x += 2 * K, y += 2 * N)
-        switch ((mt - m0 < 2 ? mt - m0 : 2) * 8 + nv) {
+    const int step = mt <= 4 ? mt : 2;
+    for (int m0 = 0; m0 < mt; m0 += step, x += step * K, y += step * N)
+        switch ((mt - m0 < step ? mt - m0 : step) * 8 + nv) {
             ICASE(1, 1) ICASE(1, 2) ICASE(1, 3) ICASE(1, 4) ICASE(2, 1) ICASE(2, 2) ICASE(2, 3) ICASE(2, 4)
+            ICASE(3, 1) ICASE(3, 2) ICASE(3, 3) ICASE(3, 4) ICASE(4, 1) ICASE(4, 2) ICASE(4, 3) ICASE(4, 4)
             default: break;
         }
 }

@@ -40,7 +40,7 @@ def test_packed_int8_matches_the_int8_linear(n, k, bias, path, monkeypatch):
     mod = _int8(n, k, n + k, bias=bias)
     packed = PackedInt8Linear(mod, kernel)
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 3, 6, 7, 12, 13, 16, 17, 33, 48, 49, 100):
+    for rows in (1, 3, 4, 5, 6, 7, 12, 13, 16, 17, 33, 48, 49, 100):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = packed(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
