@@ -22,13 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quant_frontier import SEQ, TEXTS  # noqa: E402  benchmarks/: the frontier's texts and window length
+from quant_frontier import SEQ, held_out_ids  # noqa: E402  benchmarks/: the frontier's texts and window length
 
 TEMPERATURES = "0.8,0.9,1.0,1.05,1.1,1.15,1.2,1.3,1.4,1.6"
 
 
 def scan(path: str, texts: dict[str, list[int]], temps: list[float]) -> dict[str, dict]:
-    """Per text: perplexity at each temperature, the best one, and the mean entropy (nats) at T = 1."""
+    """Per text: perplexity at each temperature (1.0 among them), the best one, and the mean entropy (nats) at
+    T = 1."""
     import torch
 
     from llmopt import LLM
@@ -57,7 +58,7 @@ def scan(path: str, texts: dict[str, list[int]], temps: list[float]) -> dict[str
             ppl = torch.exp(nll / n).tolist()
             best = min(range(len(temps)), key=ppl.__getitem__)
             out[name] = {"ppl": dict(zip(map(str, temps), ppl, strict=True)), "best_t": temps[best],
-                         "best_ppl": ppl[best], "entropy": entropy / n if 1.0 in temps else None, "tokens": n}
+                         "best_ppl": ppl[best], "entropy": entropy / n, "tokens": n}
     del llm, engine
     return out
 
@@ -74,12 +75,12 @@ def main() -> None:
     pairs = [m.split("=", 1) for m in args.models]
     if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
         raise SystemExit("error: give each model as LABEL=MODEL")
-    temps = [float(t) for t in args.temperatures.split(",")]
+    try:
+        temps = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        temps = []
     if 1.0 not in temps or any(t <= 0 for t in temps):
-        raise SystemExit("error: --temperatures must be positive and include 1.0")
-    missing = [str(p) for p in TEXTS.values() if not p.is_file()]
-    if missing:
-        raise SystemExit(f"error: held-out text {missing[0]} missing")
+        raise SystemExit("error: --temperatures must be positive numbers, comma-separated, and include 1.0")
 
     import torch
 
@@ -89,12 +90,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     source = Path(args.model)
     tok = load_tokenizer(source if source.is_dir() else Path(weights_dir(resolve_model(args.model))))
-    texts = {name: tok.encode(p.read_text(encoding="utf-8"))[:args.tokens] for name, p in TEXTS.items()}
+    texts = held_out_ids(tok, args.tokens)
     results = {}
     print("| model | text | ppl at T=1 | best T | ppl at best T | entropy at T=1 (nats) |\n|---|---|---|---|---|---|")
     for label, model in pairs:
-        path = model if Path(model).is_dir() else str(weights_dir(resolve_model(model)))
-        results[label] = scan(path, texts, temps)
+        results[label] = scan(model, texts, temps)
         for name, r in results[label].items():
             print(f"| {label.replace('|', chr(92) + '|')} | {name} | {r['ppl']['1.0']:.3f} | {r['best_t']:g} | {r['best_ppl']:.3f} | "
                   f"{r['entropy']:.3f} |", flush=True)

@@ -71,6 +71,14 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def held_out_ids(tok: Any, tokens: int) -> dict[str, list[int]]:
+    """The first `tokens` token ids of each held-out text (TEXTS) under `tok`; a one-line exit when one is missing."""
+    missing = [str(p) for p in TEXTS.values() if not p.is_file()]
+    if missing:
+        raise SystemExit(f"error: held-out text {missing[0]} missing")
+    return {name: tok.encode(p.read_text(encoding="utf-8"))[:tokens] for name, p in TEXTS.items()}
+
+
 def doc_markers(model: str) -> tuple[str, str]:
     return (f"<!-- quant-frontier:{model}:begin (written by benchmarks/quant_frontier.py --write-doc) -->",
             f"<!-- quant-frontier:{model}:end -->")
@@ -335,9 +343,6 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "runs/quant-frontier")
     ap.add_argument("--write-doc", action="store_true", help="put the table into docs/QUANTIZE.md")
     args = ap.parse_args()
-    missing = [str(p) for p in TEXTS.values() if not p.is_file()]
-    if missing:
-        raise SystemExit(f"error: held-out text {missing[0]} missing")
 
     import torch
 
@@ -348,11 +353,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     work = args.work / args.model
-    work.mkdir(parents=True, exist_ok=True)
-    results_file = work / "frontier.json"
     model_dir = Path(weights_dir(resolve_model(args.model)))
     tok = load_tokenizer(model_dir)
-    texts = {name: tok.encode(p.read_text(encoding="utf-8"))[: args.tokens] for name, p in TEXTS.items()}
+    texts = held_out_ids(tok, args.tokens)
+    work.mkdir(parents=True, exist_ok=True)
+    results_file = work / "frontier.json"
 
     calib = work / f"calib-{args.num_samples}x{SEQ}"
     if not (calib / "stats.safetensors").is_file():
