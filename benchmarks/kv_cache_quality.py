@@ -7,8 +7,9 @@ Perplexity of the first --tokens tokens of ../shared/data/wikitext2-valid.txt in
 --seq-len tokens, scored through the engine, whose quantized caches are read back for every window (the
 first chunk included), so the numbers are those a served request sees. Variants: the model's own dtype
 (baseline); int8 and fp8 with dynamic per-token, per-head scales; int8 with calibrated static per-head
-scales and fp8 with calibrated static per-layer scales (vLLM's `kv_cache_scheme` strategy "tensor"), both
-measured by `llmopt quantize --kv-cache int8|fp8` on the shipped calibration texts (general_prose.jsonl +
+scales, and fp8 with calibrated static scales per layer and per KV head (compressed-tensors' `kv_cache_scheme`
+strategies "tensor" and "attn_head", both of which vLLM loads), all measured by `llmopt quantize --kv-cache
+int8|fp8 [--kv-cache-strategy attn_head]` on the shipped calibration texts (general_prose.jsonl +
 kb_calibration.jsonl, 16 windows of --seq-len tokens; checkpoints deleted after their scales are read).
 """
 
@@ -33,11 +34,11 @@ WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 CALIB = [str(ROOT / "calibration_data" / "general_prose.jsonl"), str(ROOT / "calibration_data" / "kb_calibration.jsonl")]
 
 
-def calibrated(model: str, kind: str, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def calibrated(model: str, kind: str, seq_len: int, strategy: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "q"
-        quantize_model(QuantizeConfig(model=model, scheme="w8a16", kv_cache=kind, calib_data=CALIB, num_samples=16,
-                                      seq_len=seq_len, device="cpu", output=out))
+        quantize_model(QuantizeConfig(model=model, scheme="w8a16", kv_cache=kind, kv_cache_strategy=strategy,
+                                      calib_data=CALIB, num_samples=16, seq_len=seq_len, device="cpu", output=out))
         found = kv_cache_scales(resolve_model(str(out)))
         assert found is not None and found.dtype == kind
         return found.k_scale, found.v_scale
@@ -52,9 +53,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     scales = {kind: calibrated(args.model, kind, args.seq_len) for kind in ("int8", "fp8")}
+    scales["fp8 per head"] = calibrated(args.model, "fp8", args.seq_len, "attn_head")
     variants = [("model dtype", "auto", None), ("int8, dynamic per token", "int8", None),
                 ("fp8, dynamic per token", "fp8", None), ("int8, calibrated per head", "int8", scales["int8"]),
-                ("fp8, calibrated per layer", "fp8", scales["fp8"])]
+                ("fp8, calibrated per layer", "fp8", scales["fp8"]),
+                ("fp8, calibrated per KV head", "fp8", scales["fp8 per head"])]
     rows = []
     base = None
     for name, kv, static in variants:

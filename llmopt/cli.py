@@ -472,6 +472,9 @@ def quantize(
     override: list[str] = typer.Option([], "--override", help="REGEX=SCHEME for matching modules."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="int8|fp8: calibrated KV-cache scales (fp8: "
                                     "compressed-tensors kv_cache_scheme, which vLLM loads)."),
+    kv_cache_strategy: str = typer.Option("tensor", "--kv-cache-strategy", help="tensor|attn_head: --kv-cache fp8 "
+                                          "with one scale per layer (every vLLM backend reads it) or one per KV "
+                                          "head (closer to a dynamic cache; vLLM CUDA needs FlashAttention 3)."),
     lm_head: Optional[str] = typer.Option(None, "--lm-head", help="int8|int4|auto: the output head (a tied one: "
                                           "the embedding it shares) as int8 with a scale per row, or int4 in "
                                           "groups of 32; auto (--scheme auto): bf16, int8 or int4, chosen inside "
@@ -499,7 +502,8 @@ def quantize(
                          act_order=act_order, static_groups=static_groups, mse=mse,
                          calib=Path(calib) if calib else None, calib_data=calib_data,
                          num_samples=num_samples, seq_len=seq_len, ignore=ignore, override=override,
-                         kv_cache=kv_cache, lm_head=lm_head, float_dtype=float_dtype, format=fmt, output=Path(output),
+                         kv_cache=kv_cache, kv_cache_strategy=kv_cache_strategy, lm_head=lm_head,
+                         float_dtype=float_dtype, format=fmt, output=Path(output),
                          overwrite=overwrite, device=device, threads=threads, max_shard_size=max_shard_size,
                          target_bits=target_bits, gate=gate,
                          auto_tokens=auto_tokens,

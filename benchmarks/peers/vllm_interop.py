@@ -37,13 +37,15 @@ SCHEMES: dict[str, dict | None] = {
     "w8a16-kv-int8": {"scheme": "w8a16", "kv_cache": "int8"},
     # int4 weights: vLLM CPU has no kernel for int8 weight-only linears (uint8b128), so these rows use W4A16
     "w4a16-kv-fp8": {"scheme": "w4a16", "group_size": 64, "kv_cache": "fp8"},
+    # the same with one scale per KV head (compressed-tensors' "attn_head"; vLLM CPU takes each layer's largest)
+    "w4a16-kv-fp8-head": {"scheme": "w4a16", "group_size": 64, "kv_cache": "fp8", "kv_cache_strategy": "attn_head"},
     # a mixed checkpoint: each linear int4 in groups of 128, 64 or 32, or left bf16, chosen by --scheme auto
     # under 5 bits/weight (one config group per group size, the float linears in `ignore`)
     "auto-mixed": {"scheme": "auto", "target_bits": 5.0, "candidates": ["w4a16-g128", "w4a16-g64", "w4a16-g32",
                                                                         "bf16"]},
 }
 # what vLLM must be told besides the checkpoint: it reads the fp8 kv_cache_scheme's k/v scales only for an fp8 cache
-VLLM_ARGS: dict[str, dict] = {"w4a16-kv-fp8": {"kv_cache_dtype": "fp8"}}
+VLLM_ARGS: dict[str, dict] = {"w4a16-kv-fp8": {"kv_cache_dtype": "fp8"}, "w4a16-kv-fp8-head": {"kv_cache_dtype": "fp8"}}
 CALIB = ["calibration_data/general_prose.jsonl", "calibration_data/kb_calibration.jsonl"]
 PROMPTS = ["The capital of France is", "A KV cache stores", "def fibonacci(n):\n",
            "The three primary colours are"]

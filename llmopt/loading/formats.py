@@ -199,14 +199,13 @@ def kv_cache_scales(resolved: ResolvedModel) -> KVCacheScales | None:
     kv = (qcfg or {}).get("kv_cache_scheme")
     if not kv:
         return None
-    # fp8 (what vLLM and llm-compressor use), or legacy int8 (llmopt before kv_cache_scales.json): per-layer
-    # scalars in each layer's self_attn
-    # (int8: per layer or per head, fp8: one scale per layer, vLLM's "tensor")
+    # fp8 (what vLLM and llm-compressor use), or legacy int8 (llmopt before kv_cache_scales.json): scales in
+    # each layer's self_attn, one ("tensor") or one per KV head ("attn_head", llm-compressor's [kv_heads, 1, 1])
     kind = {"float": "fp8", "int": "int8"}.get(kv.get("type"))
     if (kind is None or int(kv.get("num_bits", 0)) != 8 or kv.get("dynamic")
-            or (kind == "fp8" and kv.get("strategy", "tensor") != "tensor")):
+            or (kind == "fp8" and kv.get("strategy", "tensor") not in ("tensor", "attn_head"))):
         raise LlmoptError(f"{resolved.path}: kv_cache_scheme {kv} is not supported (static 8-bit: float with one "
-                          "scale per layer, or int)")
+                          "scale per layer or per KV head, or int)")
     ts = CheckpointTensors(weights_dir(resolved))
     k, v = [], []
     for i in range(s.num_layers):
@@ -214,5 +213,9 @@ def kv_cache_scales(resolved: ResolvedModel) -> KVCacheScales | None:
             key = f"model.layers.{i}.self_attn.{which}_scale"
             if key not in ts:
                 raise LlmoptError(f"{resolved.path}: kv_cache_scheme is set but {key} is missing")
-            store.append(ts.get(key).float().reshape(-1).expand(s.num_kv_heads))
+            scale = ts.get(key).float().reshape(-1)
+            if scale.numel() not in (1, s.num_kv_heads):
+                raise LlmoptError(f"{resolved.path}: {key} holds {scale.numel()} scales; expected 1 or one per KV "
+                                  f"head ({s.num_kv_heads})")
+            store.append(scale.expand(s.num_kv_heads))
     return KVCacheScales(kind, torch.stack(k), torch.stack(v))

@@ -120,6 +120,10 @@ KV_NOTES = {
             "llm-compressor writes them: vLLM runs an fp8 cache from them (CPU 0.32 measured: it turns the fp8 "
             "cache on by itself, at +4.4% perplexity against +0.5% in llmopt); llmopt's engine runs an fp8 "
             "cache with them by default"),
+    "fp8-attn_head": ("FP8 KV-cache scales are a compressed-tensors kv_cache_scheme with one k_scale/v_scale per "
+                      "KV head (strategy attn_head), as llm-compressor writes them: vLLM 0.32 on CUDA runs them on "
+                      "FlashAttention 3 only (Hopper; no other backend takes per-head scales), vLLM CPU with each "
+                      "layer's largest; llmopt's engine runs an fp8 cache with them by default"),
 }
 
 
@@ -152,10 +156,10 @@ MOE_NOTE = ("Mixture-of-Experts: the table was measured on dense llama-family mo
 
 
 def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: str | None = None, moe: bool = False,
-               head: str | None = None) -> dict[str, Any]:
+               head: str | None = None, kv_strategy: str = "tensor") -> dict[str, Any]:
     """The report's `deployment` entry for a checkpoint holding `schemes` in format `fmt` (`moe`: the
     model has experts, whose deployment was not measured like the dense rows; `head`: a HEAD_TABLE key when
-    `--lm-head` quantized the head)."""
+    `--lm-head` quantized the head; `kv_strategy`: an fp8 KV cache's scales per layer or per KV head)."""
     keys = list(dict.fromkeys(row_key(s, fmt) for s in schemes))
     rows = [TABLE[k] for k in keys]
     if head is not None:
@@ -164,7 +168,8 @@ def deployment(schemes: list[ModuleScheme], fmt: str, kv_cache: str | None = Non
     out: dict[str, Any] = {"schemes": keys}
     for tool in TOOLS:
         out[tool] = combine([r.cell(tool) for r in rows]).to_json()
-    out["notes"] = ([KV_NOTES[kv_cache]] if kv_cache else []) + ([MOE_NOTE] if moe else [])
+    kv_key = kv_cache if kv_strategy == "tensor" else f"{kv_cache}-{kv_strategy}"
+    out["notes"] = ([KV_NOTES[kv_key]] if kv_cache else []) + ([MOE_NOTE] if moe else [])
     return out
 
 

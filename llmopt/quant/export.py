@@ -12,8 +12,8 @@ source` they keep the source's dtype. `--lm-head int8` quantizes the head instea
 
 Calibrated INT8 KV-cache scales go to `kv_cache_scales.json` (llmopt/quant/kv_scales.py), never into
 `quantization_config`: an int8 `kv_cache_scheme` makes vLLM refuse the whole checkpoint. FP8 ones are
-what vLLM loads: a float `kv_cache_scheme` (one scale per layer, "tensor") and each layer's
-`self_attn.k_scale` / `v_scale` tensors, as llm-compressor writes them.
+what vLLM loads: a float `kv_cache_scheme` (one scale per layer, "tensor", or per KV head, "attn_head") and
+each layer's `self_attn.k_scale` / `v_scale` tensors ([] or [kv_heads, 1, 1]), as llm-compressor writes them.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def head_module(tied: bool) -> str:
 
 
 def _compressed_config(targets: list[Target], act_order: bool, kv_cache: str | None,
-                       head: tuple[str, ModuleScheme] | None = None) -> dict[str, Any]:
+                       head: tuple[str, ModuleScheme] | None = None, kv_strategy: str = "tensor") -> dict[str, Any]:
     by_scheme: dict[ModuleScheme, list[str]] = {}
     ignore: list[str] = []
     for t in targets:
@@ -126,8 +126,8 @@ def _compressed_config(targets: list[Target], act_order: bool, kv_cache: str | N
         groups[f"group_{i}"] = g
     if head is not None:  # named exactly: a name outranks the class name "Linear" (compressed-tensors, formats.py)
         groups[f"group_{len(groups)}"] = compressed_config_group(head[1].weights, targets=[head[0]])
-    return compressed_quantization_config(groups, ignore=ignore,
-                                          kv_cache_scheme=dict(FP8_KV_CACHE_SCHEME) if kv_cache == "fp8" else None)
+    kv_scheme = dict(FP8_KV_CACHE_SCHEME, strategy=kv_strategy) if kv_cache == "fp8" else None
+    return compressed_quantization_config(groups, ignore=ignore, kv_cache_scheme=kv_scheme)
 
 
 def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_groups: bool) -> dict[str, Any]:
@@ -153,15 +153,16 @@ def _gptq_config(targets: list[Target], act_order: bool, damp: float, static_gro
 
 def quantization_config(targets: list[Target], fmt: str, act_order: bool, damp: float,
                         static_groups: bool = True, kv_cache: str | None = None,
-                        head: tuple[str, ModuleScheme] | None = None) -> dict[str, Any]:
+                        head: tuple[str, ModuleScheme] | None = None, kv_strategy: str = "tensor") -> dict[str, Any]:
     """config.json's `quantization_config` (raises early when the format cannot express the plan). The gptq
     format records `desc_act` and, with it, whether the groups were static (identity g_idx) or not. `head`:
-    the checkpoint module `--lm-head` quantizes (`head_module`) and its scheme."""
+    the checkpoint module `--lm-head` quantizes (`head_module`) and its scheme; `kv_strategy`: an fp8
+    kv_cache_scheme's "tensor" or "attn_head"."""
     if fmt == "gptq":
         if head is not None:
             raise LlmoptError("the gptq format cannot hold a quantized head; use --format compressed-tensors")
         return _gptq_config(targets, act_order, damp, static_groups)
-    return _compressed_config(targets, act_order, kv_cache, head)
+    return _compressed_config(targets, act_order, kv_cache, head, kv_strategy)
 
 
 def _checkpoint_order(name: str) -> tuple:
@@ -173,17 +174,20 @@ class CheckpointExport:
     """Writes a quantized checkpoint into `out` as its decoder layers finish (the streamed quantizer hands
     each one over, then frees it), then the rest: embeddings, final norm and head (float32 ones in
     `float_dtype` when given, see `stored`), config.json (with quantization_config), tokenizer and generation config, and
-    the KV scales when given: int8 [layers, kv_heads] K and V in `kv_cache_scales.json`, fp8 [layers] as each
-    layer's `self_attn.k_scale` / `v_scale` (compressed-tensors' kv_cache_scheme, which vLLM reads). Tensors go to
+    the KV scales when given: int8 [layers, kv_heads] K and V in `kv_cache_scales.json`, fp8 [layers] ("tensor")
+    or [layers, kv_heads] ("attn_head") as each layer's `self_attn.k_scale` / `v_scale` (compressed-tensors'
+    kv_cache_scheme, which vLLM reads; per head as [kv_heads, 1, 1], llm-compressor's shape). Tensors go to
     safetensors shards of at most `max_shard_bytes` (`models.shards`) as they come."""
 
     def __init__(self, out: Path, targets: list[Target], fmt: str, act_order: bool, damp: float,
                  max_shard_bytes: int, static_groups: bool = True, kv_cache: str | None = None,
-                 float_dtype: torch.dtype | None = None, head: tuple[str, ModuleScheme] | None = None) -> None:
-        self.out, self.targets, self.fmt, self.kv_cache = out, targets, fmt, kv_cache
+                 float_dtype: torch.dtype | None = None, head: tuple[str, ModuleScheme] | None = None,
+                 kv_strategy: str = "tensor") -> None:
+        self.out, self.targets, self.fmt, self.kv_cache, self.kv_strategy = out, targets, fmt, kv_cache, kv_strategy
         self.float_dtype, self.head = float_dtype, head
         self.head_report: dict[str, Any] | None = None  # what `finish` made of the head, for the report
-        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups, kv_cache, head)  # fails early
+        self.qcfg = quantization_config(targets, fmt, act_order, damp, static_groups, kv_cache, head,
+                                        kv_strategy)  # fails early
         self.writer = ShardWriter(out, max_shard_bytes)
 
     def _add(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -223,7 +227,10 @@ class CheckpointExport:
                 self._add({name: stored(tensor, self.float_dtype)})
         if kv_scales is not None and self.kv_cache == "fp8":
             k, v = kv_scales
-            self._add({f"model.layers.{i}.self_attn.{kind}_scale": s[i].reshape(()).float().clone()
+            per_head = self.kv_strategy == "attn_head"
+            assert k.dim() == (2 if per_head else 1), "fp8 KV scales: [layers, kv_heads] per head, [layers] per layer"
+            shape = (-1, 1, 1) if per_head else ()
+            self._add({f"model.layers.{i}.self_attn.{kind}_scale": s[i].reshape(shape).float().clone()
                        for i in range(k.shape[0]) for kind, s in (("k", k), ("v", v))})
         shards = self.writer.finish()
         if kv_scales is not None and self.kv_cache != "fp8":

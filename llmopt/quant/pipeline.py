@@ -137,7 +137,8 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
     act_order = bool(cfg.act_order)  # resolved by QuantizeConfig: on for GPTQ unless --no-act-order
     head_scheme = cfg.head_scheme()
     head = None if head_scheme is None else (head_module(resolved.spec.tie_word_embeddings), head_scheme)
-    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups, cfg.kv_cache, head)  # fail early
+    quantization_config(targets, cfg.format, act_order, cfg.damp, cfg.static_groups, cfg.kv_cache, head,
+                        cfg.kv_cache_strategy)  # fail early
     tokenizer = load_tokenizer(directory)
     for note in notes:
         console.print(f"[cyan]note:[/] {note}", highlight=False)
@@ -174,6 +175,7 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
     with atomic_directory(cfg.output, cfg.overwrite) as tmp:
         export = CheckpointExport(tmp, targets, cfg.format, act_order, cfg.damp, max_shard_bytes,
                                   static_groups=cfg.static_groups, kv_cache=cfg.kv_cache,
+                                  kv_strategy=cfg.kv_cache_strategy,
                                   float_dtype=torch.bfloat16 if cfg.float_dtype == "bf16" else None, head=head)
 
         def layer_done(i: int, modules: dict[str, QuantizedModule]) -> None:
@@ -202,7 +204,7 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
         if cfg.kv_cache is not None:
             assert result.k_absmax is not None and result.v_absmax is not None
             k, v = result.k_absmax, result.v_absmax
-            if cfg.kv_cache == "fp8":  # one scale per layer (vLLM's "tensor" strategy): the largest head's
+            if cfg.kv_cache == "fp8" and cfg.kv_cache_strategy == "tensor":  # one scale per layer: the largest head's
                 k, v = k.amax(1), v.amax(1)
             kv = ((k / LARGEST[cfg.kv_cache]).clamp(min=1e-8), (v / LARGEST[cfg.kv_cache]).clamp(min=1e-8))
         t0 = time.perf_counter()
@@ -222,7 +224,7 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
             bytes_before=bytes_before, bytes_after=sum(f.stat().st_size for f in shards), notes=notes,
             auto=plan.summary() if plan else None,
             deployment=deployment([t.scheme for t in targets if t.scheme is not None], cfg.format,
-                                  kv_cache=cfg.kv_cache, moe=resolved.spec.is_moe,
+                                  kv_cache=cfg.kv_cache, kv_strategy=cfg.kv_cache_strategy, moe=resolved.spec.is_moe,
                                   head=None if head is None else
                                   f"head-int{head[1].weights.bits}" + ("-tied" if resolved.spec.tie_word_embeddings else "")))
         report.write(tmp / REPORT)

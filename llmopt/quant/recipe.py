@@ -122,6 +122,10 @@ class QuantizeConfig(BaseModel):
     ignore: list[str] = []
     override: list[str] = []
     kv_cache: Literal["int8", "fp8"] | None = None
+    # fp8 KV scales: one per layer ("tensor", which every vLLM attention backend reads) or one per KV head
+    # ("attn_head", compressed-tensors' name: closer to the dynamic cache; vLLM 0.32 needs FlashAttention 3 on
+    # CUDA for it, and its CPU backend runs each layer's largest). int8 scales are always per head.
+    kv_cache_strategy: Literal["tensor", "attn_head"] = "tensor"
     # the output head (with a tied one, the embedding it shares), by rounding: int8 with a scale per row, or
     # int4 with a scale per HEAD_INT4_GROUP columns; auto (with --scheme auto): bf16, int8 or int4, chosen
     # inside the budget
@@ -229,6 +233,9 @@ class QuantizeConfig(BaseModel):
             self.mse = gptq
         if self.calib is not None and self.calib_data:
             raise ValueError("pass either --calib DIR or --calib-data PATH, not both")
+        if self.kv_cache_strategy != "tensor" and self.kv_cache != "fp8":
+            raise ValueError(f"--kv-cache-strategy {self.kv_cache_strategy} applies to --kv-cache fp8 (int8 KV "
+                             "scales are always per head)")
         if self.format == "gptq":
             if self.lm_head is not None:
                 raise ValueError(f"--lm-head {self.lm_head} is written as a compressed-tensors group; use --format "

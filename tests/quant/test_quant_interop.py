@@ -121,6 +121,35 @@ def test_a_bad_kv_scales_file_is_one_clear_error(tiny_llama, tmp_path, monkeypat
         kv_cache_scales(resolve_model(str(out)))
 
 
+@pytest.mark.parametrize("edit, msg", [
+    ("count", r"model.layers.0.self_attn.k_scale holds 3 scales; expected 1 or one per KV head \(2\)"),
+    ("strategy", r"kv_cache_scheme .* is not supported"),
+], ids=["scale-count", "strategy"])
+def test_a_bad_fp8_kv_cache_scheme_is_one_clear_error(tiny_llama, tmp_path, monkeypatch, edit, msg):
+    """An fp8 kv_cache_scheme we cannot run (a scale count that is neither per layer nor per KV head, or a
+    strategy such as per channel) is refused in one line, not run with wrong scales."""
+    from safetensors.torch import save_file
+
+    from llmopt.errors import LlmoptError
+    from llmopt.loading.formats import kv_cache_scales
+    from llmopt.models.resolve import resolve_model
+
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", kv_cache="fp8", kv_cache_strategy="attn_head",
+                  **calib_options(2, 32))
+    assert kv_cache_scales(resolve_model(str(out))).k_scale.shape == (2, 2)
+    if edit == "count":
+        tensors = load_file(str(out / "model.safetensors"))
+        tensors["model.layers.0.self_attn.k_scale"] = torch.ones(3, 1, 1)
+        save_file(tensors, str(out / "model.safetensors"))
+    else:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"]["kv_cache_scheme"]["strategy"] = "channel"
+        (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LlmoptError, match=msg):
+        kv_cache_scales(resolve_model(str(out)))
+
+
 def test_transformers_parses_our_gptq_config(tiny_llama, tmp_path, monkeypatch):
     from transformers import AutoConfig, GPTQConfig
 

@@ -89,25 +89,49 @@ def test_calib_dir_feeds_quantize_and_kv_scales_reach_the_engine(tiny_llama, tmp
     assert all(torch.isfinite(v).all() for v in ref.values())
 
 
-def test_fp8_kv_cache_scales_are_what_vllm_reads(tiny_llama, tmp_path):
-    """`--kv-cache fp8`: compressed-tensors' float kv_cache_scheme with one k_scale / v_scale per layer (the
-    largest head's absmax / 448), which our engine then runs as an fp8 cache by default (issue #32)."""
+def _fp8_kv_checkpoint(model, out, strategy: str) -> dict[str, torch.Tensor]:
+    """`--kv-cache fp8 --kv-cache-strategy STRATEGY` on the tiny model; its k_scale / v_scale tensors."""
     from safetensors import safe_open
 
-    out = tmp_path / "q"
-    quantize_model(QuantizeConfig(model=str(tiny_llama), scheme="w8a16", kv_cache="fp8", calib_data=[str(KB_CALIB)],
-                                  num_samples=4, seq_len=64, output=out, device="cpu", forward_dtype="float32"))
+    quantize_model(QuantizeConfig(model=str(model), scheme="w8a16", kv_cache="fp8", kv_cache_strategy=strategy,
+                                  calib_data=[str(KB_CALIB)], num_samples=4, seq_len=64, output=out, device="cpu",
+                                  forward_dtype="float32"))
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qcfg["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+    assert qcfg["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False,
                                        "symmetric": True}
     assert not (out / "kv_cache_scales.json").exists()
     with safe_open(str(out / "model.safetensors"), "pt") as st:
         scales = {k: st.get_tensor(k) for k in st.keys() if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
     assert sorted(scales) == [f"model.layers.{i}.self_attn.{w}_scale" for i in (0, 1) for w in "kv"]
-    assert all(t.shape == () and t.dtype == torch.float32 and t > 0 for t in scales.values())
-    cache = LLM(str(out), dtype="float32", device="cpu", num_kv_blocks=32).engine.kv_cache
+    assert all(t.dtype == torch.float32 and (t > 0).all() for t in scales.values())
+    return scales
+
+
+def test_fp8_kv_cache_scales_are_what_vllm_reads(tiny_llama, tmp_path):
+    """`--kv-cache fp8`: compressed-tensors' float kv_cache_scheme with one k_scale / v_scale per layer (the
+    largest head's absmax / 448), which our engine then runs as an fp8 cache by default (issue #32)."""
+    scales = _fp8_kv_checkpoint(tiny_llama, tmp_path / "q", "tensor")
+    assert all(t.shape == () for t in scales.values())
+    cache = LLM(str(tmp_path / "q"), dtype="float32", device="cpu", num_kv_blocks=32).engine.kv_cache
     assert cache.codes == "fp8" and cache.static_k_scale.shape == (2, 2)
     assert torch.equal(cache.static_k_scale[1], scales["model.layers.1.self_attn.k_scale"].expand(2))
+
+
+def test_fp8_kv_cache_scales_per_head(tiny_llama, tmp_path):
+    """`--kv-cache-strategy attn_head`: one scale per KV head, [kv_heads, 1, 1] as llm-compressor writes them
+    (what vLLM's FlashAttention 3 reads), each its own head's absmax / 448: the per-layer checkpoint's scale
+    is the largest of them, and our engine runs each head with its own."""
+    per_layer = _fp8_kv_checkpoint(tiny_llama, tmp_path / "layer", "tensor")
+    per_head = _fp8_kv_checkpoint(tiny_llama, tmp_path / "head", "attn_head")
+    assert all(t.shape == (2, 1, 1) for t in per_head.values())
+    for name, t in per_head.items():
+        assert torch.equal(t.amax(), per_layer[name])
+    assert any(t.amin() < t.amax() for t in per_head.values())  # the heads do differ
+    cache = LLM(str(tmp_path / "head"), dtype="float32", device="cpu", num_kv_blocks=32).engine.kv_cache
+    assert cache.codes == "fp8"
+    for i in (0, 1):
+        assert torch.equal(cache.static_k_scale[i], per_head[f"model.layers.{i}.self_attn.k_scale"].flatten())
+        assert torch.equal(cache.static_v_scale[i], per_head[f"model.layers.{i}.self_attn.v_scale"].flatten())
 
 
 def test_calib_dir_of_another_model_is_refused(tiny_llama, tiny_qwen2, tmp_path):

@@ -14,6 +14,8 @@ Measured on these sequences (max |Δ logit|, logits of magnitude ~2):
 * w8a16 + INT8 KV: transformers ignores llmopt's kv_cache_scales.json and runs a float KV cache, so its
   logits equal ours with a float cache exactly; with our calibrated int8 cache they differ by the KV
   rounding (max 0.18 here, argmax the same on ≥ 90% of positions).
+* w8a16 + FP8 KV (per layer or per KV head): transformers reports the k_scale / v_scale tensors as
+  unexpected and runs a float cache, equal to ours with a float cache.
 """
 
 from __future__ import annotations
@@ -144,6 +146,36 @@ def test_transformers_loads_int8_kv_checkpoints_and_ignores_the_scales(tiny_llam
     plain = tmp_path / "plain"
     shutil.copytree(out, plain)
     (plain / KV_SCALES_FILE).unlink()
+    ours_float, engine = _our_logits(plain)
+    assert not engine.kv_cache.quantized
+    assert float(_per_position_err(ours_float, ref).max()) <= EXACT
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_transformers_loads_fp8_kv_checkpoints_and_ignores_the_scales(tiny_llama, tmp_path, monkeypatch, strategy):
+    """An fp8 kv_cache_scheme, per layer or per KV head: transformers loads the weights, leaves each layer's
+    k_scale / v_scale unused (its only unexpected tensors) and runs a float cache, so its logits are exactly
+    ours with a float cache; our engine runs the fp8 cache by default."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "q"
+    quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", kv_cache="fp8", kv_cache_strategy=strategy,
+                  **calib_options())
+    hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+    assert info["unexpected_keys"] == {f"model.layers.{i}.self_attn.{w}_scale" for i in (0, 1) for w in "kv"}
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([s])).logits[0] for s in SEQS]
+    ours, engine = _our_logits(out)
+    assert engine.kv_cache.codes == "fp8"
+    assert 0 < float(_per_position_err(ours, ref).max()) <= 0.5 and _argmax_agreement(ours, ref) >= 0.9
+    plain = tmp_path / "plain"  # the same weights without the kv_cache_scheme: a float cache
+    shutil.copytree(out, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = None
+    (plain / "config.json").write_text(json.dumps(cfg))
     ours_float, engine = _our_logits(plain)
     assert not engine.kv_cache.quantized
     assert float(_per_position_err(ours_float, ref).max()) <= EXACT
