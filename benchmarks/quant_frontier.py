@@ -17,8 +17,9 @@ One protocol for every point (issue #32, part 6):
   linear widths, W8A16, and `--scheme auto` with GPTQ at each of --budgets (bits per weight of the linears)
   and with AWQ at the first; the GPTQ, auto, W8A16 and smallest-group points again with `--lm-head int8` (the
   head, and the embedding it is tied to, in int8 per row), the auto points again with `--lm-head auto` (the
-  head inside the budget), and RTN and AWQ with asymmetric smallest groups (`--asym`) and the int8 head. Checkpoints are compressed-tensors as `llmopt quantize` writes them by
-  default: the float32 tensors outside the layers (embedding, final norm) in bf16.
+  head inside the budget), RTN and AWQ with asymmetric smallest groups (`--asym`) and the int8 head, and
+  `--scheme auto --asym` GPTQ|AWQ at the first budget with the int8 head. Checkpoints are compressed-tensors as
+  `llmopt quantize` writes them by default: the float32 tensors outside the layers (embedding, final norm) in bf16.
 * llm-compressor (in its own venv, benchmarks/peers/install_llmcompressor.sh; through
   benchmarks/peers/llmcompressor_worker.py): RTN, GPTQ (its default actorder "static") and AWQ at the same
   group sizes, and W8A16 per channel, on the same windows as token ids, from the same float32 folder loaded in
@@ -126,11 +127,15 @@ def our_points(groups: list[int], budgets: list[float]) -> dict[str, dict[str, A
         for method, name in (("awq", "AWQ"), ("auto", "GPTQ|AWQ")):
             points[f"auto {budgets[0]:g} bits {name} + auto head"] = {"scheme": "auto", "target_bits": budgets[0],
                                                                      "method": method, "lm_head": "auto"}
-    # asymmetric groups (a zero point per group, what llama.cpp's Q4_1/Q4_K blocks have), smallest groups
+    # asymmetric groups (a zero point per group, what llama.cpp's Q4_1/Q4_K blocks have), smallest groups, and
+    # `--scheme auto --asym` (every int candidate asymmetric; the budget pays for the zero points) at the first budget
     if smallest:
         for method in ("rtn", "awq"):
             points[f"W4A16 g{smallest} {method.upper()} asym + int8 head"] = {
                 "scheme": "w4a16", "group_size": smallest, "method": method, "symmetric": False, "lm_head": "int8"}
+    if budgets:
+        points[f"auto {budgets[0]:g} bits GPTQ|AWQ asym + int8 head"] = {
+            "scheme": "auto", "target_bits": budgets[0], "method": "auto", "symmetric": False, "lm_head": "int8"}
     return points
 
 
@@ -147,7 +152,8 @@ def quantize_ours(model: str, opts: dict[str, Any], out: Path, calib: Path, plan
         kw["calib"] = calib
     plan = None
     if kw["scheme"] == "auto":  # the head outside the budget (float or a fixed int8) is not part of the search
-        plan = plans.setdefault((kw.get("method", "rtn"), kw.get("lm_head") == "auto"), AutoPlan(0.0, {}, {}))
+        plan = plans.setdefault((kw.get("method", "rtn"), kw.get("lm_head") == "auto", kw.get("symmetric", True)),
+                                AutoPlan(0.0, {}, {}))
     reused = plan.seconds if plan is not None and plan.options else 0.0
     t0 = time.perf_counter()
     report = quantize_model(QuantizeConfig(model=model, output=out, overwrite=True, device="cpu", **kw), plan=plan)
@@ -403,7 +409,7 @@ def main() -> None:
     if not args.no_llmcompressor:
         plan |= {k: ("llm-compressor", v) for k, v in llmcompressor_points(groups).items()}
     only = set(filter(None, args.only.split(",")))
-    plans: dict[tuple, Any] = {}  # one --scheme auto search per (method, head in the budget)
+    plans: dict[tuple, Any] = {}  # one --scheme auto search per (method, head in the budget, symmetric)
     for label, (tool, what) in plan.items():
         if (only and label not in only) or label in result["points"]:
             continue
