@@ -292,6 +292,9 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, min=2, help="Tokens per sequence (prompt + output)."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size: 2GiB, 512MiB or bytes."),
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8|fp8 (e4m3)"),
+    kv_cache_scales: str = typer.Option("checkpoint", "--kv-cache-scales",
+                                        help="checkpoint|dynamic: run a checkpoint's calibrated KV scales (what vLLM "
+                                        "reads), or scale each token and head by its own absmax (less damage)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",
@@ -335,6 +338,9 @@ def serve(
     if engine == "vllm":
         from llmopt.serve.vllm_handoff import VllmOptions, exec_vllm, vllm_handoff
 
+        if kv_cache_scales != "checkpoint":
+            raise LlmoptError("--kv-cache-scales applies to --engine llmopt (vLLM runs a checkpoint's own scales)")
+
         opts = VllmOptions(host=host, port=port, served_model_name=served_model_name, dtype=dtype,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
@@ -365,6 +371,7 @@ def serve(
              if v is not None}
     engine_config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                  kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                                 kv_cache_scales=kv_cache_scales,
                                  enable_prefix_caching=not no_prefix_caching, scheduling_policy=scheduling_policy,
                                  enforce_eager=enforce_eager, num_threads=threads, decode_step=decode_step,
                                  speculative=(_speculative(speculative, num_speculative_tokens, draft_model)

@@ -80,7 +80,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             use_native_int8_kernel(m, False)
     kv_cache, block_manager, num_blocks, kv_bytes = _kv_pool(config, s, device, attn, dtype, kv_dtype, draft_bytes,
                                                              draft is not None)
-    if kv_scales is not None and kv_cache.quantized and kv_dtype == kv_scales.dtype:
+    static = kv_scales is not None and kv_dtype == kv_scales.dtype and config.kv_cache_scales == "checkpoint"
+    if static and kv_cache.quantized:
         kv_cache.set_static_scales(kv_scales.k_scale, kv_scales.v_scale)
     max_len = min(config.max_model_len or s.max_position_embeddings, s.max_position_embeddings)
     max_model_len = min(max_len, num_blocks * config.block_size)

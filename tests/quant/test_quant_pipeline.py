@@ -134,6 +134,20 @@ def test_fp8_kv_cache_scales_per_head(tiny_llama, tmp_path):
         assert torch.equal(cache.static_v_scale[i], per_head[f"model.layers.{i}.self_attn.v_scale"].flatten())
 
 
+def test_kv_cache_scales_dynamic_runs_the_checkpoints_cache_with_per_token_scales(tiny_llama, tmp_path):
+    """`kv_cache_scales="dynamic"` (`serve --kv-cache-scales dynamic`): the checkpoint still picks the fp8
+    cache, but each token and head is scaled by its own absmax, not by the calibrated scales."""
+    _fp8_kv_checkpoint(tiny_llama, tmp_path / "q", "attn_head")
+    engines = {s: LLM(str(tmp_path / "q"), dtype="float32", device="cpu", num_kv_blocks=32, kv_cache_scales=s).engine
+               for s in ("checkpoint", "dynamic")}
+    assert engines["checkpoint"].kv_cache.static_k_scale is not None
+    cache = engines["dynamic"].kv_cache
+    assert cache.codes == "fp8" and cache.static_k_scale is None and cache.static_v_scale is None
+    seqs = [list(range(3, 60, 3))]
+    a, b = (dict(iter_logits(engines[s], seqs))[0] for s in ("checkpoint", "dynamic"))
+    assert not torch.equal(a, b) and float((a - b).abs().max()) < 0.5
+
+
 def test_calib_dir_of_another_model_is_refused(tiny_llama, tiny_qwen2, tmp_path):
     calib = tmp_path / "calib"
     run_calibration(CalibrateConfig(model=str(tiny_llama), data=[str(KB_CALIB)], num_samples=2, seq_len=32,

@@ -108,6 +108,14 @@ def test_cli_bad_model_and_bad_key_priority_are_one_line_errors(tiny_llama, monk
     assert code == 2 and "KEY=PRIO" in err
 
 
+def test_cli_kv_cache_scales_bad_value_and_vllm_engine_are_one_line_errors(tiny_llama, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--kv-cache-scales", "static")
+    assert code == 2 and "kv_cache_scales" in err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--engine", "vllm", "--dry-run",
+                           "--kv-cache-scales", "dynamic")
+    assert code == 2 and "--kv-cache-scales applies to --engine llmopt" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_speculative_draft_needs_a_compatible_draft_model(tiny_llama, monkeypatch, capsys, tmp_path):
     code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--speculative", "draft")
     assert code == 2 and "needs draft_model" in err and len(err.strip().splitlines()) == 1
