@@ -294,7 +294,7 @@ def serve(
     kv_cache_dtype: str = typer.Option("auto", help="auto|int8|fp8 (e4m3)"),
     kv_cache_scales: str = typer.Option("checkpoint", "--kv-cache-scales",
                                         help="checkpoint|dynamic: run a checkpoint's calibrated KV scales (what vLLM "
-                                        "reads), or scale each token and head by its own absmax (less damage)."),
+                                        "reads), or scale each token and head by its own absmax (less or equal damage, measured)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     threads: str = typer.Option(THREADS_DEFAULT, help=THREADS_HELP),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",

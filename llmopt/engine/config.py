@@ -38,7 +38,7 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     # a checkpoint's calibrated KV scales (`quantize --kv-cache int8|fp8`): "checkpoint" runs them (the static
     # numerics vLLM reads); "dynamic" scales each token and head by its own absmax instead, which cost less
-    # perplexity in every measurement (docs/QUANTIZE.md "KV cache at 2k tokens") at the same pool size
+    # perplexity or tied in every measurement (docs/QUANTIZE.md "KV cache at 2k tokens") at the same pool size
     kv_cache_scales: Literal["checkpoint", "dynamic"] = "checkpoint"
     # True: plain eager torch: no TorchInductor, no packed weights (llmopt.layers.packed_linear) and none
     # of our C kernels (llmopt.native)
