@@ -546,6 +546,8 @@ def eval_(
                               "both models."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
     kv_cache_dtype: str = typer.Option("auto", help="Candidate KV cache: auto|int8|fp8."),
+    kv_cache_scales: str = typer.Option("checkpoint", "--kv-cache-scales", help="Candidate's calibrated KV scales: "
+                                        "checkpoint (run them) or dynamic (per token, as `serve --kv-cache-scales`)."),
     baseline_dtype: Optional[str] = typer.Option(None, help="Baseline dtype (default: --dtype)."),
     baseline_kv_cache_dtype: str = typer.Option("auto", help="Baseline KV cache: auto|int8|fp8."),
     max_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per scoring forward (default: a few windows)."),
@@ -565,7 +567,8 @@ def eval_(
 
     opts = EvalOptions(model=model, baseline=baseline, ppl_data=ppl_data, seq_len=seq_len, stride=stride,
                        max_tokens=max_tokens, tasks=task, limit=limit, harness=harness, gates=gate, dtype=dtype,
-                       device=device, kv_cache_dtype=kv_cache_dtype, baseline_dtype=baseline_dtype,
+                       device=device, kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
+                       baseline_dtype=baseline_dtype,
                        baseline_kv_cache_dtype=baseline_kv_cache_dtype, max_batch_tokens=max_batch_tokens,
                        kl_top_k=kl_top_k, report=report, html=html, bisect=bisect, bisect_plot=bisect_plot)
     eval_command(opts, as_json=as_json, console=console, err_console=err_console)

@@ -32,6 +32,7 @@ class EngineOptions(BaseModel):
     dtype: str = "auto"  # the checkpoint's own, as vLLM
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "checkpoint"  # EngineConfig.kv_cache_scales
     max_batch_tokens: int = Field(4096, ge=2)
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit (as lm-eval's HFLM)
     max_num_seqs: int = Field(64, ge=1)
@@ -43,6 +44,7 @@ def build_llm(model: str | None, opts: EngineOptions) -> LLM:
     model's 16k-token pool is 2 GB: only an eval with generation tasks asks for it)."""
     tokens = max(opts.max_batch_tokens, opts.max_model_len or 0, generation_tokens(model, opts))
     cfg = EngineConfig(model=model, dtype=opts.dtype, device=opts.device, kv_cache_dtype=opts.kv_cache_dtype,
+                       kv_cache_scales=opts.kv_cache_scales,
                        max_num_batched_tokens=max(opts.max_batch_tokens, 2048), max_num_seqs=opts.max_num_seqs,
                        num_kv_blocks=math.ceil(tokens / 16) + 1, block_size=16,
                        max_model_len=opts.max_model_len, enable_prefix_caching=True)

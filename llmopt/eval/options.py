@@ -27,6 +27,8 @@ class EvalOptions(BaseModel):
     dtype: str = "auto"  # the checkpoint's own dtype, as vLLM; float32 only when asked
     device: str = "auto"
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    # the candidate's calibrated KV scales, if it has them: run them, or per-token ones (EngineConfig's)
+    kv_cache_scales: Literal["checkpoint", "dynamic"] = "checkpoint"
     baseline_dtype: str | None = None  # default: the candidate's dtype
     baseline_kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     max_batch_tokens: int | None = Field(None, ge=2)
@@ -61,6 +63,7 @@ class EvalOptions(BaseModel):
             dtype=(self.baseline_dtype or self.dtype) if baseline else self.dtype,
             device=self.device,
             kv_cache_dtype=self.baseline_kv_cache_dtype if baseline else self.kv_cache_dtype,
+            kv_cache_scales="checkpoint" if baseline else self.kv_cache_scales,
             max_batch_tokens=max(batch_tokens, self.seq_len),
             **({} if generation else {"generation_tokens": 0}),
         )

@@ -148,6 +148,21 @@ def test_kv_cache_scales_dynamic_runs_the_checkpoints_cache_with_per_token_scale
     assert not torch.equal(a, b) and float((a - b).abs().max()) < 0.5
 
 
+def test_eval_kv_cache_scales_scores_the_cache_serve_runs(tiny_llama, tmp_path, monkeypatch, capsys):
+    """`llmopt eval --kv-cache-scales dynamic` scores the candidate with per-token KV scales (what `serve
+    --kv-cache-scales dynamic` runs), the default with the checkpoint's calibrated ones: two perplexities."""
+    from tests.cli_runner import run_cli
+
+    _fp8_kv_checkpoint(tiny_llama, tmp_path / "q", "tensor")
+    ppl = {}
+    for scales in ("checkpoint", "dynamic"):
+        code, out, _ = run_cli(monkeypatch, capsys, "eval", str(tmp_path / "q"), "--ppl-data", str(KB_FACTS),
+                               "--seq-len", "64", "--max-tokens", "256", "--kv-cache-scales", scales, "--json")
+        assert code == 0
+        ppl[scales] = json.loads(out)["perplexity"]["candidate"]["ppl"]
+    assert ppl["checkpoint"] != ppl["dynamic"] and abs(ppl["checkpoint"] / ppl["dynamic"] - 1) < 0.05
+
+
 def test_calib_dir_of_another_model_is_refused(tiny_llama, tiny_qwen2, tmp_path):
     calib = tmp_path / "calib"
     run_calibration(CalibrateConfig(model=str(tiny_llama), data=[str(KB_CALIB)], num_samples=2, seq_len=32,
