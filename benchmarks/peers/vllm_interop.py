@@ -45,7 +45,8 @@ SCHEMES: dict[str, dict | None] = {
                                                                         "bf16"]},
 }
 # what vLLM must be told besides the checkpoint: it reads the fp8 kv_cache_scheme's k/v scales only for an fp8 cache
-VLLM_ARGS: dict[str, dict] = {"w4a16-kv-fp8": {"kv_cache_dtype": "fp8"}, "w4a16-kv-fp8-head": {"kv_cache_dtype": "fp8"}}
+VLLM_ARGS: dict[str, dict] = {name: {"kv_cache_dtype": "fp8"} for name, opts in SCHEMES.items()
+                              if opts and opts.get("kv_cache") == "fp8"}
 CALIB = ["calibration_data/general_prose.jsonl", "calibration_data/kb_calibration.jsonl"]
 PROMPTS = ["The capital of France is", "A KV cache stores", "def fibonacci(n):\n",
            "The three primary colours are"]

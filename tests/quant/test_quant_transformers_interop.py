@@ -35,11 +35,13 @@ SEQS = [[5, 9, 17, 33, 65, 129, 200], list(range(3, 200, 7)), [1] * 3 + list(ran
 EXACT = 1e-5
 
 
-def _hf_logits(out) -> tuple[list[torch.Tensor], object]:
+def _hf_logits(out, unexpected: frozenset[str] = frozenset()) -> tuple[list[torch.Tensor], object]:
+    """transformers' logits on SEQS; it must load every tensor but `unexpected` (those exactly unused)."""
     from transformers import AutoModelForCausalLM
 
     hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    assert info["unexpected_keys"] == set(unexpected), info
+    assert not any(v for k, v in info.items() if k != "unexpected_keys"), info  # no missing or mismatched
     with torch.no_grad():
         return [hf(torch.tensor([s])).logits[0] for s in SEQS], hf
 
@@ -158,16 +160,10 @@ def test_transformers_loads_fp8_kv_checkpoints_and_ignores_the_scales(tiny_llama
     ours with a float cache; our engine runs the fp8 cache by default."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path / "q"
     quantize_tiny(monkeypatch, tiny_llama, out, scheme="w8a16", kv_cache="fp8", kv_cache_strategy=strategy,
                   **calib_options())
-    hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
-    assert info["unexpected_keys"] == {f"model.layers.{i}.self_attn.{w}_scale" for i in (0, 1) for w in "kv"}
-    assert not info["missing_keys"] and not info["mismatched_keys"]
-    with torch.no_grad():
-        ref = [hf(torch.tensor([s])).logits[0] for s in SEQS]
+    ref, _ = _hf_logits(out, frozenset(f"model.layers.{i}.self_attn.{w}_scale" for i in (0, 1) for w in "kv"))
     ours, engine = _our_logits(out)
     assert engine.kv_cache.codes == "fp8"
     assert 0 < float(_per_position_err(ours, ref).max()) <= 0.5 and _argmax_agreement(ours, ref) >= 0.9
