@@ -21,6 +21,7 @@ MIN_TOKENS = 64  # smallest step (tokens) that runs the compiled functions; smal
 _compiled: dict[Callable, Callable] = {}
 _broken: list[str] = []
 _native: dict[Callable, str] = {}  # eager function -> the `native_ops.NativeOps` method that replaces it
+_native_below: dict[Callable, float] = {}  # function -> rows under which its native version runs compiled steps too
 
 
 class Ops(enum.Enum):
@@ -35,6 +36,17 @@ def has_native(fn: Callable) -> Callable:
     return fn
 
 
+def native_below(rows: float) -> Callable[[Callable], Callable]:
+    """Decorator: `fn`'s native version runs `Ops.COMPILED` calls too while x has fewer than `rows` rows
+    (`math.inf`: at every size), where it was measured faster than TorchInductor's (docs/BENCHMARKS.md,
+    "Element-wise ops at prefill sizes"); at and past `rows`, and wherever it declines the input, inductor's."""
+    def mark(fn: Callable) -> Callable:
+        assert fn in _native, f"{fn.__name__} has no native version"
+        _native_below[fn] = rows
+        return fn
+    return mark
+
+
 def available() -> bool:
     """False once a compilation has failed in this process."""
     return not _broken
@@ -42,13 +54,13 @@ def available() -> bool:
 
 def call(ops: Ops, fn: Callable, *args):
     """`fn(*args)`, run by the implementation `ops` names where it has one for `fn` and these args."""
-    if ops is Ops.NATIVE:
+    if ops is Ops.NATIVE or (ops is Ops.COMPILED and args[0].shape[0] < _native_below.get(fn, 0)):
         name = _native.get(fn)
         lib = native_ops.load() if name is not None else None
         out = getattr(lib, name)(*args) if lib is not None else None
         if out is not None:
             return out
-    elif ops is Ops.COMPILED and not _broken:
+    if ops is Ops.COMPILED and not _broken:  # also where the native version declined the input
         try:
             if fn not in _compiled:
                 _compiled[fn] = torch.compile(fn, dynamic=True)

@@ -50,6 +50,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+@kernels.native_below(math.inf)
 @kernels.has_native
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (q and k heads may be stacked); computed in float32, then cast back."""
