@@ -1,8 +1,9 @@
 """Which implementation runs the element-wise functions (RMSNorm, RoPE, act·up) and prefill attention; none
 wins at every size (docs/BENCHMARKS.md). `Ops.NATIVE` (`native_ops.c`): bf16 CPU steps under `MIN_TOKENS`
-(decode); `Ops.COMPILED` (TorchInductor): bigger bf16/fp16 CPU steps; else `Ops.EAGER`, always in fp32 so
-greedy fp32 output stays token-identical to transformers. The others are tested against the eager
-function, and fall back to it when they cannot be built here."""
+(decode); `Ops.COMPILED` (TorchInductor): bigger bf16/fp16 CPU steps, except the functions marked
+`native_below` (RoPE, and the norms under 512 rows), whose native versions were measured faster there; else
+`Ops.EAGER`, always in fp32 so greedy fp32 output stays token-identical to transformers. The others are tested
+against the eager function, and fall back to it when they cannot be built here."""
 
 from __future__ import annotations
 
