@@ -40,7 +40,7 @@ def has_native(fn: Callable) -> Callable:
 def native_below(rows: float) -> Callable[[Callable], Callable]:
     """Decorator: `fn`'s native version runs `Ops.COMPILED` calls too while x has fewer than `rows` rows
     (`math.inf`: at every size), where it was measured faster than TorchInductor's (docs/BENCHMARKS.md,
-    "Element-wise ops at prefill sizes"); at and past `rows`, and wherever it declines the input, inductor's."""
+    "Prefill on the Intel Xeon VM"); at and past `rows`, and wherever it declines the input, inductor's."""
     def mark(fn: Callable) -> Callable:
         assert fn in _native, f"{fn.__name__} has no native version"
         _native_below[fn] = rows
