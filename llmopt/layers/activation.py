@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from llmopt.layers import kernels
 
 
+@kernels.native_below(kernels.NATIVE_PREFILL_ROWS)
 @kernels.has_native
 def silu_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = x.split(intermediate_size, dim=-1)

@@ -66,6 +66,52 @@ void rotary_bf16(const uint16_t *x, int64_t row_stride, int64_t heads, int64_t d
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define SILU_X16 1
+// 16 float32 -> bf16, rounded to nearest even as f_to_bf16 (NaN kept quiet; vcvtneps2bf16 would flush subnormals).
+static inline __m256i f32x16_to_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+// e^x, 16 at a time, within about an ulp of expf (Cephes' expf: x = n ln2 + r in two parts, |r| <= ln2 / 2, a
+// degree-7 polynomial for e^r, then 2^n by vscalefps, which overflows to inf and underflows through the
+// subnormals to 0 as expf does): libmvec's vector expf is a call per 16 and made SiLU the slowest native op.
+static inline __m512 exp_f32x16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// SiLU(gate) * up for 16 columns (mask: the valid ones), rounding where the scalar loop rounds.
+static inline void silu_mul_x16(const uint16_t *g, const uint16_t *u, uint16_t *o, __mmask16 mask) {
+    const __m512 v = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, g));
+    const __m512 up = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, u));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), v)));
+    // where e^-v overflowed, v / inf is a zero of v's sign (the division, built with -ffast-math, may become a
+    // reciprocal and a Newton step, which turn an infinite divisor into NaN)
+    const __mmask16 inf = _mm512_cmp_ps_mask(d, _mm512_set1_ps(3.402823466e38f), _CMP_GT_OQ)
+                          & (__mmask16)~_mm512_fpclass_ps_mask(v, 0x10);  // gate -inf: NaN, as -inf / inf is
+    const __m512 a = _mm512_mask_blend_ps(inf, _mm512_div_ps(v, d),
+                                          _mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u))));
+    const __m512 ar = bf16x16_widen(f32x16_to_bf16(a));
+    _mm256_mask_storeu_epi16(o, mask, f32x16_to_bf16(_mm512_mul_ps(ar, up)));
+}
+#endif
+
 // out [rows, inter] = bf16(bf16(act(gate)) * up) over x [rows, 2 * inter] = gate | up, as eager torch rounds
 // the activation to bf16 before the multiply. act: SiLU (gelu = 0) or tanh-approximated GELU (gelu = 1).
 void gated_act_bf16(const uint16_t *x, int64_t rows, int64_t inter, int gelu, uint16_t *out, int nthreads) {
@@ -73,6 +119,14 @@ void gated_act_bf16(const uint16_t *x, int64_t rows, int64_t inter, int gelu, ui
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
+#ifdef SILU_X16
+        if (!gelu) {
+            int64_t i = 0;
+            for (; i + 16 <= inter; i += 16) silu_mul_x16(g + i, u + i, o + i, (__mmask16)0xffff);
+            if (i < inter) silu_mul_x16(g + i, u + i, o + i, (__mmask16)((1u << (inter - i)) - 1u));
+            continue;
+        }
+#endif
         if (gelu) {
             for (int64_t i = 0; i < inter; i++) {
                 const float v = bf16_to_f(g[i]);

@@ -9,12 +9,8 @@ from torch import nn
 from llmopt.layers import kernels
 from llmopt.layers.kernels import Ops
 
-# rows under which the native norms beat TorchInductor's (docs/BENCHMARKS.md, "Prefill on the Intel Xeon VM"; from
-# 1,024 rows the two are within 25% of each other either way, inductor's ahead at hidden 2,048)
-NORM_NATIVE_BELOW = 512
 
-
-@kernels.native_below(NORM_NATIVE_BELOW)
+@kernels.native_below(kernels.NATIVE_PREFILL_ROWS)
 @kernels.has_native
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
@@ -22,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-@kernels.native_below(NORM_NATIVE_BELOW)
+@kernels.native_below(kernels.NATIVE_PREFILL_ROWS)
 @kernels.has_native
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +46,7 @@ class RMSNorm(nn.Module):
         return kernels.call(ops, self.add_norm_fn, x, residual, weight, self.eps)
 
 
-@kernels.native_below(NORM_NATIVE_BELOW)
+@kernels.native_below(kernels.NATIVE_PREFILL_ROWS)
 @kernels.has_native
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
@@ -58,7 +54,7 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-@kernels.native_below(NORM_NATIVE_BELOW)
+@kernels.native_below(kernels.NATIVE_PREFILL_ROWS)
 @kernels.has_native
 def add_offset_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:

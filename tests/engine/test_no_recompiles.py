@@ -1,7 +1,8 @@
 """No recompiles while batch sizes vary: a bf16 workload of varied prompt lengths, chunked prefills over cached
 prefixes, prefix-cache hits and decode batches that shrink, with dynamo's recompiles made fatal. Prefill
-steps run TorchInductor-compiled functions (traced once, dynamic shapes); decode steps run the native step,
-which compiles nothing."""
+steps run TorchInductor-compiled functions (traced once, dynamic shapes) but where a native one is faster
+(`kernels.native_below`: the norms and SiLU·up only from `kernels.NATIVE_PREFILL_ROWS` rows, so the budget passes
+that); decode steps run the native step, which compiles nothing."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ def test_varied_workload_never_recompiles(family, request, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(kernels, "_compiled", {})
     monkeypatch.setattr(kernels, "_broken", [])
-    # small step budget: long prompts are prefilled in chunks, each over the chunks before it
-    llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", num_kv_blocks=512, max_num_batched_tokens=160)
-    prompts = [[3 + (7 * i + j) % 400 for j in range(3 + (i * 53) % 300)] for i in range(16)]
+    # a step budget past the rows under which the native element-wise functions run instead of inductor's, yet
+    # short of the longest prompts: those are prefilled in chunks, each over the chunks before it
+    budget = kernels.NATIVE_PREFILL_ROWS + 160
+    llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", num_kv_blocks=1024, max_num_batched_tokens=budget)
+    prompts = [[3 + (7 * i + j) % 400 for j in range(3 + (i * 197) % 950)] for i in range(16)]
+    assert max(map(len, prompts)) > budget
     params = [SamplingParams(temperature=0, max_tokens=4 + i % 20, ignore_eos=True) for i in range(16)]
     with torch._dynamo.config.patch(error_on_recompile=True):
         llm.generate(prompts, params, use_tqdm=False)

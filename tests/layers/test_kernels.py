@@ -12,7 +12,7 @@ from llmopt.layers import kernels
 from llmopt.layers.activation import silu_and_mul
 from llmopt.layers.attention.head_major import causal_attention
 from llmopt.layers.kernels import Ops
-from llmopt.layers.norm import NORM_NATIVE_BELOW, add_rms_norm, rms_norm
+from llmopt.layers.norm import add_rms_norm, rms_norm
 from llmopt.layers.rotary import apply_rotary
 
 
@@ -59,13 +59,13 @@ def test_compiled_elementwise_functions_match_eager(monkeypatch):
             assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), fn.__name__
 
 
-def test_compiled_steps_run_the_native_norms_and_rope_where_those_are_faster(monkeypatch):
-    """In a compiled step, RoPE runs native at every size and the norms under NORM_NATIVE_BELOW rows (their
-    results bitwise the eager ones, as every native call's); the norms from there on, the gated activations, and
-    input a native version declines (fp16) run inductor's."""
+def test_compiled_steps_run_the_native_versions_where_those_are_faster(monkeypatch):
+    """In a compiled step, RoPE runs native at every size and the norms and SiLU·up under NATIVE_PREFILL_ROWS rows
+    (the norms' and RoPE's results bitwise the eager ones); from there on, and for input a native version declines
+    (fp16), inductor's."""
     monkeypatch.setattr(kernels, "_compiled", {})
     g = torch.Generator().manual_seed(1)
-    small, big = 96, NORM_NATIVE_BELOW
+    small, big = 96, kernels.NATIVE_PREFILL_ROWS
     x, w = torch.randn(big, 32, generator=g).bfloat16(), torch.rand(32, generator=g).bfloat16()
     qk = torch.randn(big, 5, 8, generator=g).bfloat16()
     cos, sin = torch.randn(big, 1, 8, generator=g), torch.randn(big, 1, 8, generator=g)
@@ -75,6 +75,8 @@ def test_compiled_steps_run_the_native_norms_and_rope_where_those_are_faster(mon
     kernels.call(Ops.COMPILED, rms_norm, x, w, 1e-5)
     assert rms_norm in kernels._compiled, kernels._broken
     kernels.call(Ops.COMPILED, silu_and_mul, torch.randn(small, 64, generator=g).bfloat16(), 32)
+    assert silu_and_mul not in kernels._compiled
+    kernels.call(Ops.COMPILED, silu_and_mul, torch.randn(big, 64, generator=g).bfloat16(), 32)
     assert silu_and_mul in kernels._compiled, kernels._broken
     got = kernels.call(Ops.COMPILED, add_rms_norm, x[:small].half(), x[:small].half(), w.half(), 1e-5)
     assert add_rms_norm in kernels._compiled and got[0].dtype == torch.float16, kernels._broken
