@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,7 @@ def silu_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@kernels.native_below(math.inf)
 @kernels.has_native
 def gelu_tanh_and_mul(x: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = x.split(intermediate_size, dim=-1)

@@ -1,9 +1,9 @@
 """Which implementation runs the element-wise functions (RMSNorm, RoPE, act·up) and prefill attention; none
 wins at every size (docs/BENCHMARKS.md). `Ops.NATIVE` (`native_ops.c`): bf16 CPU steps under `MIN_TOKENS`
 (decode); `Ops.COMPILED` (TorchInductor): bigger bf16/fp16 CPU steps, except the functions marked
-`native_below` (RoPE; the norms and SiLU·up under 512 rows), whose native versions were measured faster
-there; else `Ops.EAGER`, always in fp32 so greedy fp32 output stays token-identical to transformers. The
-others are tested against the eager function, and fall back to it when they cannot be built here."""
+`native_below` (RoPE, GELU·up; the norms and SiLU·up under 512 rows), whose native versions were measured
+faster there; else `Ops.EAGER`, always in fp32 so greedy fp32 output stays token-identical to transformers.
+The others are tested against the eager function, and fall back to it when they cannot be built here."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 MIN_TOKENS = 64  # smallest step (tokens) that runs the compiled functions; smaller bf16 steps run native ones
 # rows under which the native norms and SiLU·up beat TorchInductor's in compiled steps too (from 1,024 rows the two
-# are within 25% of each other either way, inductor's ahead at the wider shapes; RoPE's native version wins at every
-# size): docs/BENCHMARKS.md, "Prefill on the Intel Xeon VM"
+# are within 25% of each other either way, inductor's ahead at the wider shapes; RoPE's and GELU·up's native versions
+# win at every size): docs/BENCHMARKS.md, "Prefill on the Intel Xeon VM"
 NATIVE_PREFILL_ROWS = 512
 
 _compiled: dict[Callable, Callable] = {}

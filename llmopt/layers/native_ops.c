@@ -66,6 +66,13 @@ void rotary_bf16(const uint16_t *x, int64_t row_stride, int64_t heads, int64_t d
     }
 }
 
+// The tanh-approximated GELU of one gate value times its up value, as eager torch computes and rounds it.
+static inline uint16_t gelu_mul(uint16_t g, uint16_t u) {
+    const float v = bf16_to_f(g);
+    const float a = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    return f_to_bf16(round_bf16(a) * bf16_to_f(u));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define SILU_X16 1
 // 16 float32 -> bf16, rounded to nearest even as f_to_bf16 (NaN kept quiet; vcvtneps2bf16 would flush subnormals).
@@ -110,6 +117,37 @@ static inline void silu_mul_x16(const uint16_t *g, const uint16_t *u, uint16_t *
     const __m512 ar = bf16x16_widen(f32x16_to_bf16(a));
     _mm256_mask_storeu_epi16(o, mask, f32x16_to_bf16(_mm512_mul_ps(ar, up)));
 }
+
+// tanh(y) = sign(y) (1 - 2 / (e^(2|y|) + 1)): near +-1 the small term keeps its relative precision, so tanh is within
+// about an ulp there too, where eager's 1 + tanh(y) cancels. |y| is clamped to 10, past which tanh is +-1 in float32
+// (and e^(2|y|) stays finite, so the division never meets an infinite divisor).
+static inline __m512 tanh_f32x16(__m512 y) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
+    const __m512 s = _mm512_min_ps(_mm512_andnot_ps(sign, y), _mm512_set1_ps(10.f));
+    const __m512 e = exp_f32x16(_mm512_add_ps(s, s));
+    const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f),
+                                   _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+    return _mm512_or_ps(t, _mm512_and_ps(y, sign));
+}
+
+// gelu_mul for n <= 16 columns: 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))) in the same order; a vector with
+// an infinite or NaN gate goes through gelu_mul (the clamp would turn a NaN into a number).
+static inline void gelu_mul_x16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
+    const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __m512 v = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, g));
+    if (_mm512_mask_fpclass_ps_mask(mask, v, 0x99)) {  // quiet or signalling NaN, +inf, -inf
+        for (int i = 0; i < n; i++) o[i] = gelu_mul(g[i], u[i]);
+        return;
+    }
+    const __m512 up = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, u));
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, v));
+    const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
+                                   _mm512_add_ps(_mm512_set1_ps(1.f), tanh_f32x16(y)));
+    const __m512 ar = bf16x16_widen(f32x16_to_bf16(a));
+    _mm256_mask_storeu_epi16(o, mask, f32x16_to_bf16(_mm512_mul_ps(ar, up)));
+}
 #endif
 
 // out [rows, inter] = bf16(bf16(act(gate)) * up) over x [rows, 2 * inter] = gate | up, as eager torch rounds
@@ -120,19 +158,15 @@ void gated_act_bf16(const uint16_t *x, int64_t rows, int64_t inter, int gelu, ui
         const uint16_t *g = x + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
 #ifdef SILU_X16
-        if (!gelu) {
-            int64_t i = 0;
-            for (; i + 16 <= inter; i += 16) silu_mul_x16(g + i, u + i, o + i, (__mmask16)0xffff);
-            if (i < inter) silu_mul_x16(g + i, u + i, o + i, (__mmask16)((1u << (inter - i)) - 1u));
-            continue;
+        for (int64_t i = 0; i < inter; i += 16) {
+            const int n = inter - i < 16 ? (int)(inter - i) : 16;
+            if (gelu) gelu_mul_x16(g + i, u + i, o + i, n);
+            else silu_mul_x16(g + i, u + i, o + i, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u));
         }
+        continue;
 #endif
         if (gelu) {
-            for (int64_t i = 0; i < inter; i++) {
-                const float v = bf16_to_f(g[i]);
-                const float a = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-                o[i] = f_to_bf16(round_bf16(a) * bf16_to_f(u[i]));
-            }
+            for (int64_t i = 0; i < inter; i++) o[i] = gelu_mul(g[i], u[i]);
         } else {
             for (int64_t i = 0; i < inter; i++) {
                 const float v = bf16_to_f(g[i]);

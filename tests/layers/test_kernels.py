@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from llmopt import LLM, SamplingParams
 from llmopt.layers import kernels
-from llmopt.layers.activation import silu_and_mul
+from llmopt.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from llmopt.layers.attention.head_major import causal_attention
 from llmopt.layers.kernels import Ops
 from llmopt.layers.norm import add_rms_norm, rms_norm
@@ -60,9 +60,9 @@ def test_compiled_elementwise_functions_match_eager(monkeypatch):
 
 
 def test_compiled_steps_run_the_native_versions_where_those_are_faster(monkeypatch):
-    """In a compiled step, RoPE runs native at every size and the norms and SiLU·up under NATIVE_PREFILL_ROWS rows
-    (the norms' and RoPE's results bitwise the eager ones); from there on, and for input a native version declines
-    (fp16), inductor's."""
+    """In a compiled step, RoPE and GELU·up run native at every size, the norms and SiLU·up under
+    NATIVE_PREFILL_ROWS rows (the norms' and RoPE's results bitwise the eager ones); from there on, and for input
+    a native version declines (fp16), inductor's."""
     monkeypatch.setattr(kernels, "_compiled", {})
     g = torch.Generator().manual_seed(1)
     small, big = 96, kernels.NATIVE_PREFILL_ROWS
@@ -78,6 +78,8 @@ def test_compiled_steps_run_the_native_versions_where_those_are_faster(monkeypat
     assert silu_and_mul not in kernels._compiled
     kernels.call(Ops.COMPILED, silu_and_mul, torch.randn(big, 64, generator=g).bfloat16(), 32)
     assert silu_and_mul in kernels._compiled, kernels._broken
+    kernels.call(Ops.COMPILED, gelu_tanh_and_mul, torch.randn(big, 64, generator=g).bfloat16(), 32)
+    assert gelu_tanh_and_mul not in kernels._compiled  # native at every size
     got = kernels.call(Ops.COMPILED, add_rms_norm, x[:small].half(), x[:small].half(), w.half(), 1e-5)
     assert add_rms_norm in kernels._compiled and got[0].dtype == torch.float16, kernels._broken
 
