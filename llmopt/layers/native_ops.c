@@ -74,7 +74,9 @@ static inline uint16_t gelu_mul(uint16_t g, uint16_t u) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define SILU_X16 1
+#define GATED_X16 1
+static inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
 // 16 float32 -> bf16, rounded to nearest even as f_to_bf16 (NaN kept quiet; vcvtneps2bf16 would flush subnormals).
 static inline __m256i f32x16_to_bf16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);
@@ -103,8 +105,9 @@ static inline __m512 exp_f32x16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// SiLU(gate) * up for 16 columns (mask: the valid ones), rounding where the scalar loop rounds.
-static inline void silu_mul_x16(const uint16_t *g, const uint16_t *u, uint16_t *o, __mmask16 mask) {
+// SiLU(gate) * up for n <= 16 columns, rounding where the scalar loop rounds.
+static inline void silu_mul_x16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
+    const __mmask16 mask = first_n(n);
     const __m512 v = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, g));
     const __m512 up = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, u));
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), v)));
@@ -133,7 +136,7 @@ static inline __m512 tanh_f32x16(__m512 y) {
 // gelu_mul for n <= 16 columns: 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))) in the same order; a vector with
 // an infinite or NaN gate goes through gelu_mul (the clamp would turn a NaN into a number).
 static inline void gelu_mul_x16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
-    const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __mmask16 mask = first_n(n);
     const __m512 v = bf16x16_widen(_mm256_maskz_loadu_epi16(mask, g));
     if (_mm512_mask_fpclass_ps_mask(mask, v, 0x99)) {  // quiet or signalling NaN, +inf, -inf
         for (int i = 0; i < n; i++) o[i] = gelu_mul(g[i], u[i]);
@@ -157,11 +160,11 @@ void gated_act_bf16(const uint16_t *x, int64_t rows, int64_t inter, int gelu, ui
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
-#ifdef SILU_X16
+#ifdef GATED_X16
         for (int64_t i = 0; i < inter; i += 16) {
             const int n = inter - i < 16 ? (int)(inter - i) : 16;
             if (gelu) gelu_mul_x16(g + i, u + i, o + i, n);
-            else silu_mul_x16(g + i, u + i, o + i, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u));
+            else silu_mul_x16(g + i, u + i, o + i, n);
         }
         continue;
 #endif

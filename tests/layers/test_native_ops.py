@@ -86,6 +86,20 @@ def test_gated_activations_match_eager(ops, rows):
                    atol=1e-4)
 
 
+def test_gated_activations_of_extreme_gates_match_eager(ops):
+    """Gates whose exp overflows, infinite and NaN gates, and a width that leaves a partial vector: SiLU·up and
+    GELU·up give eager's zeros (of the gate's sign), infinities and NaNs where eager does, and its values elsewhere."""
+    gates = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-38, -1e-38, 88.0, -88.0, 89.0, -89.0, 100.0,
+             -100.0, 3e38, -3e38, 1.0, 2.0, -3.0, -5.0, 9.0, 11.0]  # 21: one vector of 16 and a partial one
+    x = torch.tensor([gates + [1.0] * len(gates)]).bfloat16()
+    for native, eager in ((ops.silu_and_mul, silu_and_mul), (ops.gelu_tanh_and_mul, gelu_tanh_and_mul)):
+        got, want = native(x, len(gates)), eager(x, len(gates))
+        assert torch.equal(got.isnan(), want.isnan()), (got, want)
+        ok = ~want.isnan()
+        assert torch.equal(got[ok].float().signbit(), want[ok].float().signbit()), (got, want)
+        assert_matches(got[ok], want[ok], max_ulps=2, exact=0.9)
+
+
 def test_input_it_does_not_take_is_left_to_eager(ops):
     """Not bf16, not a row layout it reads, or mismatched shapes: None, and `kernels.call` runs eager."""
     x, w = torch.randn(4, 32), torch.ones(32)
