@@ -73,7 +73,7 @@ static inline uint16_t gelu_mul(uint16_t g, uint16_t u) {
     return f_to_bf16(round_bf16(a) * bf16_to_f(u));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)  // DQ: vfpclassps
 #define GATED_X16 1
 static inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
 
