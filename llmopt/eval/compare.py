@@ -361,7 +361,8 @@ def run_eval(opts: EvalOptions, progress: Callable[[str, int, int], None] | None
             notify(note)
         llm = build_llm(model, engine_opts)
         models[role] = {"model": model or "smollm2-135m", "dtype": str(llm.engine.dtype).removeprefix("torch."),
-                        "kv_cache_dtype": llm.engine.config.kv_cache_dtype, "device": str(llm.engine.device),
+                        "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+                        "kv_cache_scales": llm.engine.config.kv_cache_scales, "device": str(llm.engine.device),
                         "weight_bytes": weight_bytes(llm.engine.model)}
         # 3. perplexity (and, for the candidate, KL and top-1 agreement against the baseline's record)
         if text is not None:

@@ -159,7 +159,9 @@ def test_eval_kv_cache_scales_scores_the_cache_serve_runs(tiny_llama, tmp_path, 
         code, out, _ = run_cli(monkeypatch, capsys, "eval", str(tmp_path / "q"), "--ppl-data", str(KB_FACTS),
                                "--seq-len", "64", "--max-tokens", "256", "--kv-cache-scales", scales, "--json")
         assert code == 0
-        ppl[scales] = json.loads(out)["perplexity"]["candidate"]["ppl"]
+        report = json.loads(out)
+        assert report["models"]["candidate"]["kv_cache_scales"] == scales  # the report says which scales ran
+        ppl[scales] = report["perplexity"]["candidate"]["ppl"]
     assert ppl["checkpoint"] != ppl["dynamic"] and abs(ppl["checkpoint"] / ppl["dynamic"] - 1) < 0.05
 
 
