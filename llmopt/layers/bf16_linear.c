@@ -419,26 +419,12 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // measured against the float32 passes, which every CPU with AMX runs, being Intel's). Past ~512 rows oneDNN's
 // own AMX kernels are 1.3-1.5x faster per call (docs/BENCHMARKS.md, "AMX"); a contiguous copy of x's tiles, k
 // blocking for L1 and row blocks for L2 were tried and did not pay.
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "native_amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_ROWS 16  // rows of an A and a C tile
 #define AMX_K 32     // bf16 of k per A tile row (64 bytes)
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-// Linux lends the AMX tile state only to a process that asks once; 1 when granted (or granted before).
-int bf16_linear_amx_available(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
+int bf16_linear_amx_available(void) { return amx_request(); }
 
 // Tiles 0-3: C (rows a0, a0, a1, a1 x 16 float32); 4, 5: A (a0 and a1 rows x 32 bf16); 6, 7: B (16 pair rows x 32
 // bf16). a1 == 0 leaves the second row tile unused.

@@ -1,7 +1,8 @@
 """The head-major backend over `PagedKVCache` ([heads, slots, head_dim] per layer): the CPU path, any device.
 
 A step's tokens are its prefill chunks, then its decodes. A prefill chunk runs SDPA with a causal mask offset
-by its cached prefix (or the compiled `causal_attention`); decodes run in groups of similar context length
+by its cached prefix (or the compiled `causal_attention`; one with no cached context, on a CPU with AMX, the
+AMX kernel of prefill_attention.c); decodes run in groups of similar context length
 (bf16 or float32 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
 entries for blocks that left the window point at a placeholder block (read, masked; the kernel skips them)."""
 
@@ -18,6 +19,8 @@ from llmopt.layers.attention.layer import PagedAttention
 from llmopt.layers.attention.paged_decode_kernel import PagedDecodeKernel
 from llmopt.layers.attention.paged_decode_kernel import load as load_decode_kernel
 from llmopt.layers.attention.paged_kv_cache import PagedKVCache
+from llmopt.layers.attention.prefill_attention_kernel import PrefillAttentionKernel
+from llmopt.layers.attention.prefill_attention_kernel import load as load_prefill_kernel
 from llmopt.layers.kernels import Ops
 
 NO_WINDOW = 1 << 40  # a full layer's window for the compiled prefill function (no position is that far back)
@@ -26,6 +29,9 @@ MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (
 # AMX tiles (amx_bf16), torch's SDPA is 3-12x faster than the compiled function at every size (16 to 2,048
 # tokens, docs/BENCHMARKS.md "AMX"), so such a CPU always uses SDPA.
 COMPILED_ATTENTION_MAX_SCORES = 0 if native.cpu_has("amx_bf16") else 2048 * 4096
+# a prefill chunk with no cached context runs prefill_attention.c on AMX tiles (1.1-1.7x torch's flash SDPA,
+# docs/BENCHMARKS.md "Prefill attention on AMX tiles"); a cached context or a quantized pool stays on SDPA
+AMX_PREFILL = native.cpu_has("amx_bf16")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
@@ -50,6 +56,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class HeadMajorBackend(AttentionBackend):
     name = "head_major"
     _kernel: PagedDecodeKernel | None | bool = False  # False: not loaded yet
+    _prefill_kernel: PrefillAttentionKernel | None | bool = False
 
     def decode_kernel(self, q: torch.Tensor, pool: PagedKVCache, layer: PagedAttention) -> PagedDecodeKernel | None:
         """The paged decode kernel when it takes this layer's decodes: bf16 on a CPU (over a bf16, int8 or
@@ -60,6 +67,16 @@ class HeadMajorBackend(AttentionBackend):
         if self._kernel is False:
             self._kernel = load_decode_kernel()
         return self._kernel
+
+    def prefill_kernel(self, q: torch.Tensor, k: torch.Tensor, layer: PagedAttention) -> PrefillAttentionKernel | None:
+        """The AMX prefill attention kernel when it takes this layer's chunk: a CPU with amx_bf16, bf16, not
+        `enforce_eager` (which keeps SDPA)."""
+        if (not self.allow_compiled or not AMX_PREFILL
+                or not PrefillAttentionKernel.supports(q, k, layer.num_heads, layer.num_kv_heads)):
+            return None
+        if self._prefill_kernel is False:
+            self._prefill_kernel = load_prefill_kernel()
+        return self._prefill_kernel
 
     def make_cache(self, num_layers, num_blocks, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto"):
         return PagedKVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype, self.device,
@@ -137,7 +154,13 @@ class HeadMajorBackend(AttentionBackend):
         start = 0
         for i, chunk in enumerate(meta.prefills):
             end = start + chunk.q_len
-            if chunk.mask is None and not pool.quantized:
+            if chunk.mask is None and not pool.quantized:  # no cached context: this chunk's own K/V
+                kernel = self.prefill_kernel(q, k, layer)
+                out = kernel(q[start:end], k[start:end], v[start:end], layer.scale, layer.window or 0) if kernel else None
+                if out is not None:
+                    outs.append(out)
+                    start = end
+                    continue
                 kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
                 kc, vc = (x[:, 0, :chunk.ctx_len] for x in pool.read_blocks(idx, chunk.blocks[g]))  # [Hkv, ctx, D]

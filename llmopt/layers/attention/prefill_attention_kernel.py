@@ -1,0 +1,60 @@
+"""Causal prefill attention on AMX tiles (`prefill_attention.c`), built by `llmopt.native` and called through
+ctypes: for a prefill chunk with no cached context on a CPU with amx_bf16, where it replaces torch's flash SDPA
+(docs/BENCHMARKS.md, "Prefill attention on AMX tiles"). `load()` returns None where it cannot be built, and the
+call returns None where this CPU, compiler or OS lends no AMX: the caller then runs SDPA."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+import llmopt.native as native
+
+SOURCE = Path(__file__).with_name("prefill_attention.c")
+
+
+class PrefillAttentionKernel:
+    """The loaded library; `__call__` runs one chunk of one layer."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn = lib.prefill_attention
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn, self._lib, self.path = fn, lib, path
+        self.available = True  # False once the library says this machine lends no AMX
+
+    @staticmethod
+    def supports(q: torch.Tensor, k: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+        """bf16 on a CPU, head size a multiple of 32 up to 256, whole query groups."""
+        d = q.shape[-1]
+        return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+                and d % 32 == 0 and d <= 256 and num_heads % num_kv_heads == 0)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 window: int = 0) -> torch.Tensor | None:
+        """q [L, H, D], k and v [L, Hkv, D] (bf16; each row's heads contiguous, or copied so) at positions
+        0..L-1; `window` > 0: a sliding window of that many positions. Returns [L, H*D], or None where AMX is
+        not lent here."""
+        if not self.available:
+            return None
+        length, h, d = q.shape
+        q, k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k, v))
+        out = torch.empty(length, h * d, dtype=q.dtype)
+        rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), length, h,
+                      k.shape[1], d, window, scale, out.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            self.available = False
+            return None
+        if rc != 0:
+            raise RuntimeError("prefill attention kernel failed: a shape it does not take, or no memory for its "
+                               "scratch")
+        return out
+
+
+def load() -> PrefillAttentionKernel | None:
+    """The kernel, built on first use; None (after one warning) when it cannot be built here."""
+    return native.load(SOURCE, PrefillAttentionKernel, "prefill attention uses SDPA")
