@@ -1,12 +1,13 @@
 """Prefill attention on AMX tiles (`prefill_attention.c`) against torch's flash SDPA, per call and in the engine.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/prefill_attention.py [--calls] [--engine smollm2-135m ...]
-        [--prompts 2048x1,1024x1,512x4,256x4,256x1,64x1] [--rounds 10]
+        [--prompts 2048x1,1024x1,512x4,256x4,256x1,64x1] [--rounds 10] [--chunk N]
 
 Per call (`--calls`): causal attention over one chunk of L tokens (bf16, q/k/v as views of one fused projection,
 as the engine hands them over), best of 5 x 5 calls each, for SmolLM2's, Gemma 3 270M's and two Llama-like head
 layouts. In the engine (`--engine MODEL`): greedy prefill of random prompts (N x P tokens, 1 output token, no
-prefix cache), the kernel and SDPA switched in one process, rounds alternating ABBA, medians. Needs a CPU with
+prefix cache; `--chunk N`: prompts prefilled N tokens a step, each chunk after the first over the cached
+context), the kernel and SDPA switched in one process, rounds alternating ABBA, medians. Needs a CPU with
 AMX tiles (amx_bf16); elsewhere the kernel never runs and this says so.
 """
 
@@ -60,11 +61,12 @@ def calls() -> None:
             print(f"| {name}: {h} / {hkv} x {d} | {n} | {a:.3f} | {b:.3f} | {a / b:.2f}x |", flush=True)
 
 
-def engine(model: str, prompts: list[tuple[int, int]], rounds: int) -> None:
+def engine(model: str, prompts: list[tuple[int, int]], rounds: int, chunk: int | None) -> None:
     from llmopt import LLM
     from llmopt.engine.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    llm = LLM(model, dtype="bfloat16", device="cpu", enable_prefix_caching=False,
+              **({"max_num_batched_tokens": chunk} if chunk else {}))
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     g = torch.Generator()
 
@@ -75,7 +77,7 @@ def engine(model: str, prompts: list[tuple[int, int]], rounds: int) -> None:
         llm.generate(batch, sp, use_tqdm=False)
         return p * n / (time.perf_counter() - t)
 
-    print(f"\n{model}: prefill tok/s, medians of {rounds} rounds a side\n")
+    print(f"\n{model}: prefill tok/s{f', {chunk} tokens a step' if chunk else ''}, medians of {rounds} rounds a side\n")
     print("| prompts | SDPA | AMX kernel | kernel / SDPA |\n|---|---|---|---|")
     order = ("ABBA" * rounds)[: 2 * rounds]
     try:
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--engine", nargs="*", default=[], metavar="MODEL", help="engine prefill A/B on these models")
     ap.add_argument("--prompts", default="2048x1,1024x1,512x4,256x4,256x1,64x1", help="PxN,... prompt tokens x prompts")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--chunk", type=int, help="prefill at most this many tokens a step (max_num_batched_tokens)")
     args = ap.parse_args()
     if not native.cpu_has("amx_bf16"):
         raise SystemExit("this CPU has no AMX tiles (amx_bf16): the kernel never runs here")
@@ -107,7 +110,7 @@ def main() -> None:
         calls()
     prompts = [tuple(int(x) for x in item.split("x")) for item in args.prompts.split(",")]
     for model in args.engine:
-        engine(model, prompts, args.rounds)  # type: ignore[arg-type]
+        engine(model, prompts, args.rounds, args.chunk)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -34,11 +34,12 @@ def _qkv(length: int, h: int, hkv: int, d: int, seed: int = 0):
 
 
 def _sdpa(q, k, v, scale: float, window: int, dtype: torch.dtype) -> torch.Tensor:
-    n = q.shape[0]
-    pos = torch.arange(n)
-    allowed = pos[None, :] <= pos[:, None]
+    """q [L, H, D] at positions C-L..C-1 against k, v [C, Hkv, D]."""
+    n, c = q.shape[0], k.shape[0]
+    q_pos, k_pos = torch.arange(c - n, c)[:, None], torch.arange(c)[None, :]
+    allowed = k_pos <= q_pos
     if window:
-        allowed &= pos[None, :] > pos[:, None] - window
+        allowed &= k_pos > q_pos - window
     qt, kt, vt = (x.to(dtype).transpose(0, 1)[None] for x in (q, k, v))
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale,
                                        enable_gqa=q.shape[1] != k.shape[1])
@@ -58,6 +59,23 @@ def test_the_kernel_agrees_with_sdpa_as_closely_as_bf16_sdpa_does(kernel, length
     exact = _sdpa(q, k, v, scale, window, torch.float32)
     ours = (out.float() - exact).abs().max().item()
     theirs = (_sdpa(q, k, v, scale, window, torch.bfloat16) - exact).abs().max().item()
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+@needs_amx
+@pytest.mark.parametrize(("length", "context", "window"), [(1, 40, 0), (17, 100, 0), (64, 64 + 300, 0),
+                                                           (50, 333, 64), (130, 700, 200)])
+def test_a_chunk_over_a_cached_context(kernel, length, context, window):
+    """Queries at the end of a longer context whose K/V come gathered per head ([Hkv, C, D], as the pool reads
+    them), against float32 SDPA with the offset causal (and windowed) mask."""
+    h, hkv, d = 9, 3, 64
+    q = _qkv(length, h, hkv, d, seed=4)[0]
+    _, k, v = _qkv(context, h, hkv, d, seed=5)
+    kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [Hkv, C, D]
+    out = kernel(q, kh.transpose(0, 1), vh.transpose(0, 1), d ** -0.5, window)
+    exact = _sdpa(q, k, v, d ** -0.5, window, torch.float32)
+    ours = (out.float() - exact).abs().max().item()
+    theirs = (_sdpa(q, k, v, d ** -0.5, window, torch.bfloat16) - exact).abs().max().item()
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
@@ -88,10 +106,12 @@ def test_a_head_size_it_does_not_take_is_an_error_not_a_wrong_answer(kernel):
         kernel(q, k, v, 0.1)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("window", [None, 24])
-def test_the_backend_runs_fresh_chunks_on_the_kernel_only_with_amx(monkeypatch, window):
-    """Two prefill chunks without cached context in one step: the kernel's outputs on an AMX CPU, SDPA's elsewhere
-    and under enforce_eager; each close to float32 SDPA over its own sequence."""
+def test_the_backend_runs_prefill_chunks_on_the_kernel_only_with_amx(monkeypatch, window, kv_cache_dtype):
+    """Two sequences' first chunks in one step, then their second chunks over the cached context: the kernel's
+    outputs on an AMX CPU (over a bf16 pool or the int8 one dequantized), SDPA's elsewhere and under
+    enforce_eager; each close to float32 SDPA over the whole sequence and to enforce_eager's."""
     from llmopt.layers.attention import PagedAttention, get_backend
 
     calls = []
@@ -102,18 +122,25 @@ def test_the_backend_runs_fresh_chunks_on_the_kernel_only_with_amx(monkeypatch, 
         return real(self, *a, **kw)
 
     monkeypatch.setattr(PrefillAttentionKernel, "__call__", counted)
-    h, hkv, d, lengths = 4, 2, 64, (40, 29)
+    h, hkv, d, lengths, split = 4, 2, 64, (70, 45), (40, 16)
     seqs = [_qkv(n, h, hkv, d, seed=2 + i) for i, n in enumerate(lengths)]
-    for eager in (False, True):
+    tables = [[0, 1, 2, 3, 4], [5, 6, 7]]
+    results: dict[bool, list[torch.Tensor]] = {}
+    for eager in (True, False):
         calls.clear()
         backend = get_backend(torch.device("cpu"), 16, allow_compiled=not eager, name="head_major")
-        cache = backend.make_cache(1, 16, hkv, d, torch.bfloat16)
+        cache = backend.make_cache(1, 16, hkv, d, torch.bfloat16, kv_cache_dtype)
         attn = PagedAttention(0, h, hkv, d, window=window)
-        meta = backend.build_metadata(cache, [([[0, 1, 2]], 0, lengths[0]), ([[3, 4]], 0, lengths[1])], [])
-        q, k, v = (torch.cat([s[j] for s in seqs]) for j in range(3))
-        out = attn(q, k, v, cache, meta)
-        assert len(calls) == (2 if AMX and not eager else 0)
-        for (sq, sk, sv), part in zip(seqs, out.split(list(lengths)), strict=True):
-            err = (part.float() - _sdpa(sq, sk, sv, d ** -0.5, window or 0, torch.float32)).abs().max().item()
-            assert err < 0.05
+        got = []
+        for lo, hi in (((0, 0), split), (split, lengths)):
+            meta = backend.build_metadata(cache, [([t], a, b) for t, a, b in zip(tables, lo, hi, strict=True)], [])
+            q, k, v = (torch.cat([s[j][a:b] for s, a, b in zip(seqs, lo, hi, strict=True)]) for j in range(3))
+            got.append(attn(q, k, v, cache, meta).split([b - a for a, b in zip(lo, hi, strict=True)]))
+        assert len(calls) == (4 if AMX and not eager else 0)
+        results[eager] = [torch.cat([got[0][i], got[1][i]]).float() for i in range(len(seqs))]
+    for i, (sq, sk, sv) in enumerate(seqs):
+        exact = _sdpa(sq, sk, sv, d ** -0.5, window or 0, torch.float32)
+        # an int8 pool's own rounding is most of its distance from float32, the same under SDPA
+        assert (results[True][i] - exact).abs().max().item() < (0.05 if kv_cache_dtype == "auto" else 0.25)
+        assert (results[False][i] - results[True][i]).abs().max().item() < 0.05
     assert head_major.AMX_PREFILL == AMX

@@ -1,8 +1,8 @@
 """The head-major backend over `PagedKVCache` ([heads, slots, head_dim] per layer): the CPU path, any device.
 
 A step's tokens are its prefill chunks, then its decodes. A prefill chunk runs SDPA with a causal mask offset
-by its cached prefix (or the compiled `causal_attention`; one with no cached context, on a CPU with AMX, the
-AMX kernel of prefill_attention.c); decodes run in groups of similar context length
+by its cached prefix (or the compiled `causal_attention`; on a CPU with AMX tiles, the AMX kernel of
+prefill_attention.c); decodes run in groups of similar context length
 (bf16 or float32 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
 entries for blocks that left the window point at a placeholder block (read, masked; the kernel skips them)."""
 
@@ -29,8 +29,8 @@ MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (
 # AMX tiles (amx_bf16), torch's SDPA is 3-12x faster than the compiled function at every size (16 to 2,048
 # tokens, docs/BENCHMARKS.md "AMX"), so such a CPU always uses SDPA.
 COMPILED_ATTENTION_MAX_SCORES = 0 if native.cpu_has("amx_bf16") else 2048 * 4096
-# a prefill chunk with no cached context runs prefill_attention.c on AMX tiles (1.1-1.7x torch's flash SDPA,
-# docs/BENCHMARKS.md "Prefill attention on AMX tiles"); a cached context or a quantized pool stays on SDPA
+# prefill chunks run prefill_attention.c on AMX tiles (1.1-2.7x torch's flash SDPA, docs/BENCHMARKS.md "Prefill
+# attention on AMX tiles"), over their own K/V or a cached context gathered (and dequantized) from the pool
 AMX_PREFILL = native.cpu_has("amx_bf16")
 
 
@@ -154,16 +154,18 @@ class HeadMajorBackend(AttentionBackend):
         start = 0
         for i, chunk in enumerate(meta.prefills):
             end = start + chunk.q_len
-            if chunk.mask is None and not pool.quantized:  # no cached context: this chunk's own K/V
-                kernel = self.prefill_kernel(q, k, layer)
-                out = kernel(q[start:end], k[start:end], v[start:end], layer.scale, layer.window or 0) if kernel else None
+            own = chunk.mask is None and not pool.quantized  # no cached context: this chunk's own K/V
+            if own:
+                kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            else:
+                kc, vc = (x[:, 0, :chunk.ctx_len] for x in pool.read_blocks(idx, chunk.blocks[g]))  # [Hkv, ctx, D]
+            kernel = self.prefill_kernel(q, kc, layer)
+            if kernel is not None:  # masks its own way: causal at the chunk's offset, and the layer's window
+                out = kernel(q[start:end], kc.transpose(0, 1), vc.transpose(0, 1), layer.scale, layer.window or 0)
                 if out is not None:
                     outs.append(out)
                     start = end
                     continue
-                kc, vc = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-            else:
-                kc, vc = (x[:, 0, :chunk.ctx_len] for x in pool.read_blocks(idx, chunk.blocks[g]))  # [Hkv, ctx, D]
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
             if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
                 # contiguous: the compiled function is traced for one stride layout (a chunk's own K/V

@@ -1,7 +1,7 @@
-// Causal prefill attention over a chunk's own bf16 K/V on AMX tiles (flash attention: blocks of 32 queries, an
-// online softmax in float32 over up to 128 keys a step). Built and loaded by prefill_attention_kernel.py; head_major.py
-// runs it for a prefill chunk with no cached context on a CPU with amx_bf16, where torch's flash SDPA was a third of a
-// 2,048-token SmolLM2 prefill (docs/BENCHMARKS.md, "Prefill attention on AMX tiles").
+// Causal prefill attention over bf16 K/V on AMX tiles (flash attention: blocks of 32 queries, an online softmax in
+// float32 over up to 128 keys a step). Built and loaded by prefill_attention_kernel.py; head_major.py runs it for
+// prefill chunks on a CPU with amx_bf16 (a chunk's own K/V, or a cached context gathered before it), where torch's
+// flash SDPA was a third of a 2,048-token SmolLM2 prefill (docs/BENCHMARKS.md, "Prefill attention on AMX tiles").
 //
 // Layout: K and V of each KV head are packed once per call as AMX B tiles, padded to whole blocks of 32 keys with
 // zeros: for S = Q K^T a tile row holds 16 keys' pairs of dimensions, kp[block][d / 2][32 keys]; for O = P V a tile
@@ -12,7 +12,8 @@
 // row's change of maximum.
 //
 // Work items are (query head, query block), the costly late blocks first; threads take them dynamically. Query head
-// h reads KV head h / (H / Hkv) (grouped-query attention). `window` > 0: query t sees keys t - window + 1 .. t.
+// h reads KV head h / (H / Hkv) (grouped-query attention). `window` > 0: the query at position p sees keys
+// p - window + 1 .. p.
 #define _GNU_SOURCE  // syscall() in native_amx.h
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,19 +54,19 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
-// One KV head's keys and values of key block b as B tiles (zeros past L).
-static void pack(const uint16_t *k, int64_t ks, const uint16_t *v, int64_t vs, int64_t L, int64_t D, int64_t b,
+// One KV head's keys and values of key block b as B tiles (zeros past the C keys).
+static void pack(const uint16_t *k, int64_t ks, const uint16_t *v, int64_t vs, int64_t C, int64_t D, int64_t b,
                  uint32_t *kp, uint32_t *vp) {
     for (int64_t n = 0; n < BLOCK; n++) {
         const int64_t t = b * BLOCK + n;
         const uint32_t *row = (const uint32_t *)(k + t * ks);
-        for (int64_t p = 0; p < D / 2; p++) kp[p * BLOCK + n] = t < L ? row[p] : 0;
+        for (int64_t p = 0; p < D / 2; p++) kp[p * BLOCK + n] = t < C ? row[p] : 0;
     }
     for (int64_t j = 0; j < BLOCK / 2; j++) {
         const int64_t t = b * BLOCK + 2 * j;
         const uint16_t *lo = v + t * vs, *hi = v + (t + 1) * vs;
         for (int64_t d = 0; d < D; d++)
-            vp[j * D + d] = (t < L ? lo[d] : 0) | (uint32_t)(t + 1 < L ? hi[d] : 0) << 16;
+            vp[j * D + d] = (t < C ? lo[d] : 0) | (uint32_t)(t + 1 < C ? hi[d] : 0) << 16;
     }
 }
 
@@ -86,9 +87,9 @@ static inline __mmask16 seen(int64_t k0, int j, int64_t t, int64_t window) {
 // The online-softmax step of rows 0..rows-1 over `vecs` x 16 raw scores each in w->s (log2 units after x c): P as
 // bf16 into w->p, each row's maximum and sum, O rescaled. Two passes, the maxima of every row first, so that no
 // row's exponentials wait on its own reduction (one pass per row was bound by that chain). `whole` (a constant where
-// inlined): no key masked for any row; else seen() says which.
+// inlined): no key masked for any row; else seen() says which, row r being at position pos + r.
 static inline __attribute__((always_inline)) void softmax_step(scratch_t *w, int64_t rows, int64_t D, int vecs,
-                                                               const int whole, int64_t t0, int64_t window,
+                                                               const int whole, int64_t pos, int64_t window,
                                                                int64_t k0, float c) {
     const __m512 neg = _mm512_set1_ps(NEG);
     float m_new[BLOCK] __attribute__((aligned(64))), alpha[BLOCK] __attribute__((aligned(64)));
@@ -98,7 +99,7 @@ static inline __attribute__((always_inline)) void softmax_step(scratch_t *w, int
         __m512 mx = neg;
         for (int j = 0; j < vecs; j++)
             mx = _mm512_max_ps(mx, whole ? _mm512_loadu_ps(sr + 16 * j)
-                                         : _mm512_mask_loadu_ps(neg, seen(k0, j, t0 + r, window), sr + 16 * j));
+                                         : _mm512_mask_loadu_ps(neg, seen(k0, j, pos + r, window), sr + 16 * j));
         const float m_blk = _mm512_reduce_max_ps(mx) * c;
         m_new[r] = m_blk > w->m[r] ? m_blk : w->m[r];
     }
@@ -125,8 +126,8 @@ static inline __attribute__((always_inline)) void softmax_step(scratch_t *w, int
             __m512 p0 = exp2_f32x16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * j), cv, mneg));
             __m512 p1 = exp2_f32x16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * j + 16), cv, mneg));
             if (!whole)
-                p0 = _mm512_maskz_mov_ps(seen(k0, j, t0 + r, window), p0),
-                p1 = _mm512_maskz_mov_ps(seen(k0, j + 1, t0 + r, window), p1);
+                p0 = _mm512_maskz_mov_ps(seen(k0, j, pos + r, window), p0),
+                p1 = _mm512_maskz_mov_ps(seen(k0, j + 1, pos + r, window), p1);
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             _mm512_storeu_ps((float *)(w->p + r * KEYS + 16 * j), (__m512)_mm512_cvtne2ps_pbh(p1, p0));
         }
@@ -134,10 +135,11 @@ static inline __attribute__((always_inline)) void softmax_step(scratch_t *w, int
     }
 }
 
-// Query block qb of one head against its keys; out rows at stride os.
-static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32_t *vp, int64_t L, int64_t D,
-                 int64_t qb, int64_t window, float scale, uint16_t *out, int64_t os, scratch_t *w) {
-    const int64_t t0 = qb * BLOCK, rows = L - t0 < BLOCK ? L - t0 : BLOCK, last = t0 + rows - 1;
+// Query block qb of one head against its keys; query t is at position offset + t; out rows at stride os.
+static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32_t *vp, int64_t L, int64_t offset,
+                 int64_t D, int64_t qb, int64_t window, float scale, uint16_t *out, int64_t os, scratch_t *w) {
+    const int64_t t0 = qb * BLOCK, rows = L - t0 < BLOCK ? L - t0 : BLOCK;
+    const int64_t p0 = offset + t0, last = p0 + rows - 1;  // the block's first and last positions
     for (int64_t r = 0; r < BLOCK; r++) {
         if (r < rows) memcpy(w->q + r * D, q + (t0 + r) * qs, (size_t)D * 2);
         else memset(w->q + r * D, 0, (size_t)D * 2);
@@ -147,12 +149,12 @@ static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32
     memset(w->l, 0, sizeof w->l);  // each row's sum, 16 partial sums until the end
     memset(w->p, 0, sizeof w->p);  // rows past the chunk's end stay zero
     const float c = scale * 1.44269504088896341f;  // scores in log2 units
-    const int64_t start = window > 0 && t0 - window + 1 > 0 ? (t0 - window + 1) / BLOCK * BLOCK : 0;
+    const int64_t start = window > 0 && p0 - window + 1 > 0 ? (p0 - window + 1) / BLOCK * BLOCK : 0;
     for (int64_t k0 = start; k0 <= last; k0 += KEYS) {
         const int64_t kend = k0 + KEYS < last + 1 ? k0 + KEYS : last + 1;
         const int subs = (int)((kend - k0 + BLOCK - 1) / BLOCK), vecs = 2 * subs;
         // no key of the step's blocks (padding included) masked for any row
-        const int whole = k0 + BLOCK * subs - 1 <= t0 && (window <= 0 || k0 > last - window);
+        const int whole = k0 + BLOCK * subs - 1 <= p0 && (window <= 0 || k0 > last - window);
         for (int b = 0; b < subs; b++) {  // S[:, 32 b ..] = Q K^T for packed block k0 / 32 + b
             const uint32_t *kt = kp + (k0 / BLOCK + b) * (D / 2) * BLOCK;
             float *sb = w->s + b * BLOCK;
@@ -167,8 +169,8 @@ static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32
             _tile_stored(0, sb, KEYS * 4); _tile_stored(1, sb + 16, KEYS * 4);
             _tile_stored(2, sb + 16 * KEYS, KEYS * 4); _tile_stored(3, sb + 16 * KEYS + 16, KEYS * 4);
         }
-        if (whole) softmax_step(w, rows, D, vecs, 1, t0, 0, k0, c);
-        else softmax_step(w, rows, D, vecs, 0, t0, window, k0, c);
+        if (whole) softmax_step(w, rows, D, vecs, 1, p0, 0, k0, c);
+        else softmax_step(w, rows, D, vecs, 0, p0, window, k0, c);
         for (int64_t d = 0; d < D; d += 32) {  // O[:, d .. d + 32) += P V
             float *o = w->o + d;
             _tile_loadd(0, o, D * 4); _tile_loadd(1, o + 16, D * 4);
@@ -194,25 +196,28 @@ static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32
 }
 #endif
 
-// q [L, H, D] at row stride qs (elements; heads contiguous), k and v [L, Hkv, D] at row strides ks and vs; out
-// [L, H * D]. Returns 0; 1 where the CPU, compiler or OS lends no AMX; 2 when out of memory; 3 for a head size
-// that is not a multiple of 32 up to 256, or H not a multiple of Hkv.
-int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t ks, const uint16_t *v, int64_t vs,
-                      int64_t L, int64_t H, int64_t Hkv, int64_t D, int64_t window, float scale, uint16_t *out,
-                      int nthreads) {
+// q [L, H, D] at row stride qs (elements; heads contiguous) at positions C - L .. C - 1; k and v [C, Hkv, D] at
+// positions 0 .. C - 1, row strides ks and vs, head strides khs and vhs (a chunk's own K/V: rows of the fused
+// projection; a cached context: the gathered [Hkv, C, D] blocks); out [L, H * D]. Returns 0; 1 where the CPU,
+// compiler or OS lends no AMX; 2 when out of memory; 3 for a head size that is not a multiple of 32 up to 256, H
+// not a multiple of Hkv, or L past C.
+int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t ks, int64_t khs, const uint16_t *v,
+                      int64_t vs, int64_t vhs, int64_t L, int64_t C, int64_t H, int64_t Hkv, int64_t D,
+                      int64_t window, float scale, uint16_t *out, int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__)
-    if (D % 32 || D > MAX_DIM || Hkv <= 0 || H % Hkv) return 3;
+    if (D % 32 || D > MAX_DIM || Hkv <= 0 || H % Hkv || L > C) return 3;
     if (!amx_request()) return 1;
     if (L <= 0) return 0;
-    const int64_t blocks = (L + BLOCK - 1) / BLOCK, pairs = blocks * BLOCK * D / 2;  // a head's K (or V) pairs
+    const int64_t blocks = (L + BLOCK - 1) / BLOCK, kblocks = (C + BLOCK - 1) / BLOCK;
+    const int64_t pairs = kblocks * BLOCK * D / 2;  // a head's K (or V) pairs
     uint32_t *packed = malloc(sizeof(uint32_t) * (size_t)(2 * Hkv * pairs));
     if (!packed) return 2;
     uint32_t *kp = packed, *vp = packed + Hkv * pairs;
     #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < Hkv; g++)
-        for (int64_t b = 0; b < blocks; b++)
-            pack(k + g * D, ks, v + g * D, vs, L, D, b, kp + g * pairs + b * BLOCK * D / 2,
+        for (int64_t b = 0; b < kblocks; b++)
+            pack(k + g * khs, ks, v + g * vhs, vs, C, D, b, kp + g * pairs + b * BLOCK * D / 2,
                  vp + g * pairs + b * BLOCK * D / 2);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -224,8 +229,7 @@ int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t 
         for (int64_t i = 0; i < H * blocks; i++) {
             if (!w) continue;
             const int64_t qb = blocks - 1 - i / H, h = i % H, g = h / (H / Hkv);  // the longest items first
-            item(q + h * D, qs, kp + g * pairs, vp + g * pairs, L, D, qb, window, scale, out + h * D,
-                 H * D, w);
+            item(q + h * D, qs, kp + g * pairs, vp + g * pairs, L, C - L, D, qb, window, scale, out + h * D, H * D, w);
         }
         if (w) _tile_release();
         free(w);
@@ -233,8 +237,8 @@ int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t 
     free(packed);
     return failed ? 2 : 0;
 #else
-    (void)q; (void)qs; (void)k; (void)ks; (void)v; (void)vs; (void)L; (void)H; (void)Hkv; (void)D; (void)window;
-    (void)scale; (void)out; (void)nthreads;
+    (void)q; (void)qs; (void)k; (void)ks; (void)khs; (void)v; (void)vs; (void)vhs; (void)L; (void)C; (void)H;
+    (void)Hkv; (void)D; (void)window; (void)scale; (void)out; (void)nthreads;
     return 1;
 #endif
 }

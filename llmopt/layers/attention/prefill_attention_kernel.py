@@ -1,6 +1,6 @@
 """Causal prefill attention on AMX tiles (`prefill_attention.c`), built by `llmopt.native` and called through
-ctypes: for a prefill chunk with no cached context on a CPU with amx_bf16, where it replaces torch's flash SDPA
-(docs/BENCHMARKS.md, "Prefill attention on AMX tiles"). `load()` returns None where it cannot be built, and the
+ctypes: for prefill chunks on a CPU with amx_bf16, where it replaces torch's flash SDPA (docs/BENCHMARKS.md,
+"Prefill attention on AMX tiles"). `load()` returns None where it cannot be built, and the
 call returns None where this CPU, compiler or OS lends no AMX: the caller then runs SDPA."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class PrefillAttentionKernel:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn = lib.prefill_attention
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+        fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                       ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn, self._lib, self.path = fn, lib, path
         self.available = True  # False once the library says this machine lends no AMX
@@ -36,16 +37,20 @@ class PrefillAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  window: int = 0) -> torch.Tensor | None:
-        """q [L, H, D], k and v [L, Hkv, D] (bf16; each row's heads contiguous, or copied so) at positions
-        0..L-1; `window` > 0: a sliding window of that many positions. Returns [L, H*D], or None where AMX is
-        not lent here."""
+        """q [L, H, D] at positions C-L..C-1 (bf16; each row's heads contiguous, or copied so); k and v [C, Hkv, D]
+        at positions 0..C-1 (any row and head strides, each vector contiguous: a chunk's own K/V, or a cached
+        context gathered as [Hkv, C, D] and transposed); `window` > 0: a sliding window of that many positions.
+        Returns [L, H*D], or None where AMX is not lent here."""
         if not self.available:
             return None
         length, h, d = q.shape
-        q, k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k, v))
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (k, v))
         out = torch.empty(length, h * d, dtype=q.dtype)
-        rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), length, h,
-                      k.shape[1], d, window, scale, out.data_ptr(), torch.get_num_threads())
+        rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                      v.stride(1), length, k.shape[0], h, k.shape[1], d, window, scale, out.data_ptr(),
+                      torch.get_num_threads())
         if rc == 1:
             self.available = False
             return None
