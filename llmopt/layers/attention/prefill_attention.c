@@ -85,9 +85,10 @@ static inline __mmask16 seen(int64_t k0, int j, int64_t t, int64_t window) {
 }
 
 // The online-softmax step of rows 0..rows-1 over `vecs` x 16 raw scores each in w->s (log2 units after x c): P as
-// bf16 into w->p, each row's maximum and sum, O rescaled. Two passes, the maxima of every row first, so that no
-// row's exponentials wait on its own reduction (one pass per row was bound by that chain). `whole` (a constant where
-// inlined): no key masked for any row; else seen() says which, row r being at position pos + r.
+// bf16 into w->p, each row's maximum and sum, O rescaled. In passes over the rows (every row's maximum; the
+// rescales, 16 rows at a time; then the exponentials) so that no row waits on its own reduction, as one pass per row
+// did. `whole` (a constant where inlined): no key masked for any row; else seen() says which, row r being at
+// position pos + r.
 static inline __attribute__((always_inline)) void softmax_step(scratch_t *w, int64_t rows, int64_t D, int vecs,
                                                                const int whole, int64_t pos, int64_t window,
                                                                int64_t k0, float c) {
