@@ -31,7 +31,8 @@ from llmopt.io import write_bytes_atomic
 log = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-HEADERS = [Path(__file__).with_name(h) for h in ("native_bf16.h", "native_amx.h")]  # shared by the kernels, on their include path
+# shared by the kernels, on their include path
+HEADERS = [Path(__file__).with_name(h) for h in ("native_bf16.h", "native_amx.h")]
 
 T = TypeVar("T")
 _loaded: dict[Path, object] = {}  # source -> the wrapped library, or None once a build failed

@@ -22,6 +22,9 @@ def kernel() -> PrefillAttentionKernel:
     k = load()
     if k is None:
         pytest.skip("no C compiler here")
+    x = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    if k(x, x, x, 1.0) is None:
+        pytest.skip("this OS lends no AMX tile state to the process (the backend then keeps SDPA)")
     return k
 
 
