@@ -93,6 +93,9 @@ def _group_view(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return w.reshape(out, inp // gs, gs)
 
 
+MSE_ELEMENTS = 1 << 24  # candidates x rows x cols that mse_params evaluates at once: 64 MB a float32 temporary
+
+
 def mse_params(
     w: torch.Tensor,
     scheme: QuantScheme,
@@ -108,11 +111,19 @@ def mse_params(
 
     Shrinks the [min, max] range by factors 1 - k/grid for k < maxshrink·grid (the GPTQ reference quantizer's
     grid), coarse to fine: every `coarse`-th k, then each row's neighbours of its best; the unshrunk range is a
-    candidate, so the result is never worse than min/max. Candidates are evaluated `chunk` at a time so memory
-    stays at chunk × rows × cols.
+    candidate, so the result is never worse than min/max. Candidates are evaluated `chunk` at a time over slabs of
+    rows, so a temporary holds at most `MSE_ELEMENTS` values (GPTQ's static groups pass a whole weight: unbounded,
+    chunk × out × in floats were a 2 GB transient at 1.2B, and would be ~7 GB at 8B).
     """
-    w = w.float()
     rows = w.shape[0]
+    slab = max(1, MSE_ELEMENTS // (chunk * max(w.shape[-1], 1)))
+    if rows > slab:  # rows are independent: a slab at a time bounds the temporaries, same result
+        per_row = weights is not None and weights.dim() == 2 and weights.shape[0] == rows
+        parts = [mse_params(w[r:r + slab], scheme, maxshrink, grid, norm, chunk,
+                            weights[r:r + slab] if per_row else weights, coarse)  # type: ignore[index]
+                 for r in range(0, rows, slab)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    w = w.float()
     xmin, xmax = w.amin(dim=1), w.amax(dim=1)
     if weights is not None:
         norm = 2.0

@@ -142,3 +142,40 @@ def test_weighted_range_search_follows_the_weights_and_never_loses_to_min_max():
     wts = h.reshape(4, 32).repeat(64, 1)
     exhaustive = werr(*(t.reshape(64, 4) for t in mse_params(groups, scheme, weights=wts, coarse=1)))
     assert weighted <= 1.05 * exhaustive
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mse_params_in_slabs_of_rows_is_the_same_search(monkeypatch, weighted):
+    """The range search runs over slabs of rows to bound its temporaries; rows are independent, so the result is
+    bitwise the one of a single pass, for weights given per element or broadcast from one row."""
+    import llmopt.quant.rtn as rtn
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 32, generator=g)
+    weights = torch.rand(300, 32, generator=g) if weighted else None
+    scheme = QuantScheme(bits=4, group_size=32)
+    given = [weights, weights[:1]] if weighted else [None]  # per element, and one row broadcast to all
+    whole = [mse_params(w, scheme, weights=x) for x in given]
+    monkeypatch.setattr(rtn, "MSE_ELEMENTS", 10 * 32 * 7)  # slabs of 7 rows, the last one shorter
+    slabbed = [mse_params(w, scheme, weights=x) for x in given]
+    for (s0, z0), (s1, z1) in zip(whole, slabbed, strict=True):
+        assert torch.equal(s0, s1) and torch.equal(z0, z1)
+
+
+def test_mse_params_memory_does_not_grow_with_the_weight(monkeypatch):
+    """GPTQ's static groups hand the range search a whole weight ([out x groups, group] rows): its temporaries
+    are bounded by MSE_ELEMENTS, not by the weight (a 2 GB transient at 1.2B before)."""
+    import llmopt.quant.rtn as rtn
+    from llmopt.testing.live_bytes import LiveTensorBytes
+
+    w = torch.randn(32768, 128)  # 16 MB in float32
+    weights = torch.rand(32768, 128)
+    scheme = QuantScheme(bits=4, group_size=128)
+    peaks = {}
+    for limit in (1 << 40, 1 << 20):  # unbounded, then 4 MB a temporary
+        monkeypatch.setattr(rtn, "MSE_ELEMENTS", limit)
+        with LiveTensorBytes() as m:
+            mse_params(w, scheme, weights=weights)
+        peaks[limit] = m.peak
+    assert peaks[1 << 40] > 300e6  # 10 candidates x the weight, in several temporaries
+    assert peaks[1 << 20] < 64e6
