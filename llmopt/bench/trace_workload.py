@@ -19,14 +19,13 @@ Other keys (`tools`, `extra`, session ids) are ignored.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, Field
 
-from llmopt.bench.workloads import BenchRequest, Tokenizer, TokenSampler, _encode
+from llmopt.bench.workloads import BenchRequest, Tokenizer, TokenSampler, _encode, jsonl_objects
 from llmopt.errors import LlmoptError
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -89,24 +88,8 @@ class TraceWorkload(BaseModel):
 
 def load_trace(path: str | Path) -> list[TraceEntry]:
     """Parse and sort a trace by arrival; a bad line is an LlmoptError naming `file:line`."""
-    p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise LlmoptError(f"cannot read trace {p}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise LlmoptError(f"{p}: not UTF-8 text ({e.reason})") from None
     entries: list[TraceEntry] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{p}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise LlmoptError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise LlmoptError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for where, obj in jsonl_objects(path, "trace"):
         for key in ("timestamp", "input_length", "output_length"):
             if key not in obj:
                 raise LlmoptError(f"{where}: missing \"{key}\" (a trace line is {{\"timestamp\": ms, "
@@ -123,5 +106,5 @@ def load_trace(path: str | Path) -> list[TraceEntry]:
             raise LlmoptError(f"{where}: \"hash_ids\" must be a list of non-negative integers")
         entries.append(TraceEntry(timestamp=float(ts), input_length=n_in, output_length=n_out, hash_ids=hashes))
     if not entries:
-        raise LlmoptError(f"{p}: no requests (the trace is empty)")
+        raise LlmoptError(f"{Path(path)}: no requests (the trace is empty)")
     return sorted(entries, key=lambda e: e.timestamp)

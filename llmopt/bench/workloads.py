@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, Union
 
@@ -307,22 +307,16 @@ def _is_messages(v: Any) -> bool:
         for m in v))
 
 
-def load_jsonl(
-    path: str | Path,
-    *,
-    tokenizer: Tokenizer | None = None,
-    default_max_tokens: int | None = None,
-    ignore_eos: bool = True,
-) -> list[BenchRequest]:
-    """Parse a JSONL workload; any bad line is an LlmoptError naming `file:line`."""
+def jsonl_objects(path: str | Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(`file:line`, object) for each non-blank line of a JSONL file; an unreadable file or a line that is not a
+    JSON object is an LlmoptError naming `what` or `file:line`."""
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except OSError as e:
-        raise LlmoptError(f"cannot read workload file {p}: {e.strerror or e}") from None
+        raise LlmoptError(f"cannot read {what} {p}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise LlmoptError(f"{p}: not UTF-8 text ({e.reason})") from None
-    out: list[BenchRequest] = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -333,6 +327,19 @@ def load_jsonl(
             raise LlmoptError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise LlmoptError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
+
+
+def load_jsonl(
+    path: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    default_max_tokens: int | None = None,
+    ignore_eos: bool = True,
+) -> list[BenchRequest]:
+    """Parse a JSONL workload; any bad line is an LlmoptError naming `file:line`."""
+    out: list[BenchRequest] = []
+    for where, obj in jsonl_objects(path, "workload file"):
         has_prompt, has_messages = "prompt" in obj, "messages" in obj
         if has_prompt == has_messages:
             raise LlmoptError(f"{where}: give exactly one of \"prompt\" or \"messages\"")
@@ -366,7 +373,7 @@ def load_jsonl(
         out.append(BenchRequest(prompt=prompt, max_tokens=max_tokens, expected_prompt_tokens=expected,
                                 ignore_eos=line_eos))
     if not out:
-        raise LlmoptError(f"{p}: no requests (the file is empty)")
+        raise LlmoptError(f"{Path(path)}: no requests (the file is empty)")
     return out
 
 
