@@ -272,8 +272,8 @@ def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | 
         return fp8_quantize(w, ws).dequantize(torch.float32)
     if hessian is not None:
         return gptq_quantize(w, hessian.clone(), ws, damp=opts.damp, block_size=opts.block_size,
-                             act_order=opts.act_order,
-                             static_groups=opts.act_order and opts.static_groups)[0].dequantize(torch.float32)
+                             act_order=opts.act_order, static_groups=opts.act_order and opts.static_groups,
+                             mse_observer=opts.mse, own_h=True)[0].dequantize(torch.float32)
     if x is None or scheme.int8_activations:
         return rtn_quantize(w, ws).dequantize(torch.float32)
     s = awq_search_scales(x, [w], ws)[0].to(w.device) if scaled else None
@@ -297,6 +297,7 @@ class SearchOptions:
     block_size: int = 128
     act_order: bool = True
     static_groups: bool = True
+    mse: bool = True  # GPTQ's weighted range search, as the quantize runs it (`--no-mse`: min/max)
     batch_tokens: int = 4096
     sample_tokens: int = SAMPLE_TOKENS
     head: dict[str, ModuleScheme | None] | None = None  # `--lm-head auto`: the head's candidates by name

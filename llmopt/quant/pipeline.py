@@ -65,7 +65,7 @@ def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, co
 
     opts = SearchOptions(method=cfg.method, candidates=cfg.candidates, symmetric=cfg.symmetric,
                          forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
-                         act_order=bool(cfg.act_order), static_groups=cfg.static_groups,
+                         act_order=bool(cfg.act_order), static_groups=cfg.static_groups, mse=bool(cfg.mse),
                          batch_tokens=cfg.batch_tokens, sample_tokens=cfg.auto_tokens or SAMPLE_TOKENS,
                          head=cfg.head_candidates())
     assert cfg.target_bits is not None

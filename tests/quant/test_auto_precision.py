@@ -106,6 +106,19 @@ def test_with_awq_each_candidate_is_measured_as_awq_quantizes_it(tiny_llama, tmp
     assert sum(kl["awq"].values()) < 0.9 * sum(kl["rtn"].values())
 
 
+def test_gptq_candidates_are_measured_with_the_quantizes_range_search(tiny_llama, tmp_path, monkeypatch):
+    """The search quantizes each GPTQ candidate as the quantize will: with GPTQ's weighted range search by default
+    and with min/max under --no-mse. It once measured every candidate with min/max while the quantize searched
+    ranges, so it ranked the linears for another quantizer."""
+    kl = {}
+    for mse in (True, False):
+        report, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / str(mse), scheme="auto", target_bits=4.5,
+                                  candidates=["w4a16-g32", "w8a16"], method="gptq", mse=mse, **calib_options())
+        kl[mse] = {m["module"]: m["options"]["w4a16-g32"] for m in report.auto["modules"]}
+    assert kl[True].keys() == kl[False].keys()
+    assert all(kl[True][m] != kl[False][m] for m in kl[False])
+
+
 def test_method_auto_measures_both_methods_and_takes_the_better(tiny_llama, tmp_path, monkeypatch):
     """--method auto: every int candidate of every linear is measured by GPTQ and by AWQ, and the choice takes
     the less damaging of the two at each size. On the tiny model GPTQ wins every linear, so the depth probes
