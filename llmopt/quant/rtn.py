@@ -112,8 +112,8 @@ def mse_params(
     Shrinks the [min, max] range by factors 1 - k/grid for k < maxshrink·grid (the GPTQ reference quantizer's
     grid), coarse to fine: every `coarse`-th k, then each row's neighbours of its best; the unshrunk range is a
     candidate, so the result is never worse than min/max. Candidates are evaluated `chunk` at a time over slabs of
-    rows, so a temporary holds at most `MSE_ELEMENTS` values (GPTQ's static groups pass a whole weight: unbounded,
-    chunk × out × in floats were a 2 GB transient at 1.2B, and would be ~7 GB at 8B).
+    rows, so a temporary holds at most `MSE_ELEMENTS` values (GPTQ's static groups pass a whole weight: unbounded, a
+    gptq_quantize call peaked at 1.10 GB of live tensors on a 1.2B gate_proj and 5.60 GB on Llama-3-8B's).
     """
     rows = w.shape[0]
     slab = max(1, MSE_ELEMENTS // (chunk * max(w.shape[-1], 1)))
