@@ -111,11 +111,8 @@ int main(int argc, char **argv) {
         puts("the OS lends no AMX tile state here");
         return 0;
     }
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
+    static const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_load_config(rows);
     uint16_t *x = aligned_alloc(64, (size_t)M * K * 2), *w = aligned_alloc(64, (size_t)N * K * 2);
     float *y = aligned_alloc(64, (size_t)M * N * 4);
     for (size_t i = 0; i < (size_t)M * K; i++) x[i] = 0x3f80;  // 1.0

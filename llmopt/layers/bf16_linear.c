@@ -429,13 +429,9 @@ int bf16_linear_amx_available(void) { return amx_request(); }
 // Tiles 0-3: C (rows a0, a0, a1, a1 x 16 float32); 4, 5: A (a0 and a1 rows x 32 bf16); 6, 7: B (16 pair rows x 32
 // bf16). a1 == 0 leaves the second row tile unused.
 static void amx_configure(int a0, int a1) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     int rows[8] = {a0, a0, a1, a1, a0, a1, AMX_K / 2, AMX_K / 2};
     if (a1 < 0) rows[2] = rows[3] = a0, rows[5] = AMX_K / 2;  // amx_block4: four C tiles of a0 rows, three B tiles
-    for (int t = 0; t < 8; t++) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = rows[t] ? 64 : 0;
-    _tile_loadconfig(&c);
+    amx_load_config(rows);
 }
 
 // C tile t (rows x 16 float32, in c) * scale + bias -> y rows, `valid` of the 16 outputs.

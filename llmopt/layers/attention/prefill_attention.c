@@ -47,11 +47,8 @@ static inline __m512 exp2_f32x16(__m512 x) {
 
 // Every tile 16 rows x 64 bytes: C 16 x 16 float32, A 16 x 32 bf16, B 16 pair rows x 16 columns.
 static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
+    static const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_load_config(rows);
 }
 
 // One KV head's keys and values of key block b as B tiles (zeros past the C keys).
