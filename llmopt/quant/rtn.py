@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import LlmoptError
+from llmopt.quant import range_search_kernel
 from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx
 from llmopt.quant.scheme import QuantScheme
 
@@ -105,6 +106,7 @@ def mse_params(
     chunk: int = 10,
     weights: torch.Tensor | None = None,
     coarse: int = 8,
+    native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (scale, zero) for `w` [rows, cols] that minimize Σ|w - Q(w)|^norm, or with `weights` (broadcast to
     w; GPTQ passes `gptq.range_weights`, llama.cpp's importance weighting) Σ weights·(w - Q(w))².
@@ -114,16 +116,20 @@ def mse_params(
     candidate, so the result is never worse than min/max. Candidates are evaluated `chunk` at a time over slabs of
     rows, so a temporary holds at most `MSE_ELEMENTS` values (GPTQ's static groups pass a whole weight: unbounded, a
     gptq_quantize call peaked at 1.10 GB of live tensors on a 1.2B gate_proj and 5.60 GB on Llama-3-8B's).
+
+    With `weights`, on a CPU, the errors come from `range_search.c` when it builds (`native`; False: torch), whose
+    only temporaries are the [chunk, rows] scores: the same arithmetic, summed in another order.
     """
     rows = w.shape[0]
+    kernel = range_search_kernel.load() if native and weights is not None and w.device.type == "cpu" else None
     slab = max(1, MSE_ELEMENTS // (chunk * max(w.shape[-1], 1)))
-    if rows > slab:  # rows are independent: a slab at a time bounds the temporaries, same result
+    if kernel is None and rows > slab:  # rows are independent: a slab at a time bounds the temporaries, same result
         per_row = weights is not None and weights.dim() == 2 and weights.shape[0] == rows
         parts = [mse_params(w[r:r + slab], scheme, maxshrink, grid, norm, chunk,
-                            weights[r:r + slab] if per_row else weights, coarse)  # type: ignore[index]
+                            weights[r:r + slab] if per_row else weights, coarse, native)  # type: ignore[index]
                  for r in range(0, rows, slab)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    w = w.float()
+    w = w.float() if kernel is None else w.float().contiguous()
     xmin, xmax = w.amin(dim=1), w.amax(dim=1)
     if weights is not None:
         norm = 2.0
@@ -141,7 +147,11 @@ def mse_params(
             k = ks[start:start + chunk]
             p = 1 - k.float() / grid
             scale, zero = params_from_range(p * xmin, p * xmax, scheme)  # [c, rows]
-            err = ((fake_quantize(w, scale[..., None], zero[..., None], scheme.maxq) - w).abs().pow(norm) * wt).sum(-1)
+            if kernel is not None:
+                err = kernel.errors(w, wt, scale, zero, scheme.maxq)
+            else:
+                err = ((fake_quantize(w, scale[..., None], zero[..., None], scheme.maxq) - w).abs().pow(norm)
+                       * wt).sum(-1)
             err_min, arg = err.min(dim=0)
             better = err_min < best_err
             best_err = torch.where(better, err_min, best_err)

@@ -146,8 +146,8 @@ def test_weighted_range_search_follows_the_weights_and_never_loses_to_min_max():
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_mse_params_in_slabs_of_rows_is_the_same_search(monkeypatch, weighted):
-    """The range search runs over slabs of rows to bound its temporaries; rows are independent, so the result is
-    bitwise the one of a single pass, for weights given per element or broadcast from one row."""
+    """Torch's range search (CUDA, or no C compiler) runs over slabs of rows to bound its temporaries; rows are
+    independent, so the result is bitwise the one of a single pass, for weights per element or broadcast."""
     import llmopt.quant.rtn as rtn
 
     g = torch.Generator().manual_seed(0)
@@ -155,16 +155,17 @@ def test_mse_params_in_slabs_of_rows_is_the_same_search(monkeypatch, weighted):
     weights = torch.rand(300, 32, generator=g) if weighted else None
     scheme = QuantScheme(bits=4, group_size=32)
     given = [weights, weights[:1]] if weighted else [None]  # per element, and one row broadcast to all
-    whole = [mse_params(w, scheme, weights=x) for x in given]
+    whole = [mse_params(w, scheme, weights=x, native=False) for x in given]
     monkeypatch.setattr(rtn, "MSE_ELEMENTS", 10 * 32 * 7)  # slabs of 7 rows, the last one shorter
-    slabbed = [mse_params(w, scheme, weights=x) for x in given]
+    slabbed = [mse_params(w, scheme, weights=x, native=False) for x in given]
     for (s0, z0), (s1, z1) in zip(whole, slabbed, strict=True):
         assert torch.equal(s0, s1) and torch.equal(z0, z1)
 
 
 def test_mse_params_memory_does_not_grow_with_the_weight(monkeypatch):
-    """GPTQ's static groups hand the range search a whole weight ([out x groups, group] rows): its temporaries
-    are bounded by MSE_ELEMENTS, not by the weight (5.60 GB of live tensors on Llama-3-8B's gate_proj before)."""
+    """GPTQ's static groups hand the range search a whole weight ([out x groups, group] rows): torch's temporaries
+    are bounded by MSE_ELEMENTS, not by the weight (5.60 GB of live tensors on Llama-3-8B's gate_proj before).
+    (The C kernel's, test_range_search_kernel.py.)"""
     import llmopt.quant.rtn as rtn
     from llmopt.testing.live_bytes import LiveTensorBytes
 
@@ -175,7 +176,7 @@ def test_mse_params_memory_does_not_grow_with_the_weight(monkeypatch):
     for limit in (1 << 40, 1 << 20):  # unbounded, then 4 MB a temporary
         monkeypatch.setattr(rtn, "MSE_ELEMENTS", limit)
         with LiveTensorBytes() as m:
-            mse_params(w, scheme, weights=weights)
+            mse_params(w, scheme, weights=weights, native=False)
         peaks[limit] = m.peak
     assert peaks[1 << 40] > 300e6  # 10 candidates x the weight, in several temporaries
     assert peaks[1 << 20] < 64e6
