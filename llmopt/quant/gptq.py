@@ -102,19 +102,46 @@ def _damped_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
     )
 
 
-def _upper_inverse_factor(L: list[torch.Tensor]) -> torch.Tensor:
-    """Upper Cholesky factor of (L Lᵀ)⁻¹, taking the factor out of the one-item list so each n x n
-    intermediate is freed as soon as the next exists (four live at most, LAPACK's copies included).
+INVERSE_LEAF = 512  # blocks up to this size are inverted by one solve against the identity
 
-    H⁻¹ = L⁻ᵀL⁻¹ via a triangular solve: same result as cholesky_inverse, but that LAPACK routine (potri) is
-    pathologically slow multi-threaded on a busy CPU (1 s vs 40 ms)."""
-    lower = L.pop()
-    eye = torch.eye(lower.shape[0], device=lower.device, dtype=lower.dtype)
-    linv = torch.linalg.solve_triangular(lower, eye, upper=False)
-    del lower, eye
-    m = linv.t() @ linv
-    del linv
-    return torch.linalg.cholesky(m, upper=True)
+
+def _upper_triangular_inverse(U: torch.Tensor) -> torch.Tensor:
+    """U⁻¹ for an upper triangular U, by halves: inv([[A, B], [0, C]]) = [[A⁻¹, -A⁻¹·B·C⁻¹], [0, C⁻¹]], the corner by
+    two triangular solves against A and C. n³/3 multiply-adds where one solve against the identity does n³ (at
+    n = 8,192, 2 threads: 0.9 s against 2.5 s)."""
+    def solved(lo: int, hi: int) -> torch.Tensor:
+        eye = torch.eye(hi - lo, device=U.device, dtype=U.dtype)
+        return torch.linalg.solve_triangular(U[lo:hi, lo:hi], eye, upper=True)
+
+    if U.shape[0] <= INVERSE_LEAF:
+        return solved(0, U.shape[0])
+    out = torch.zeros_like(U)
+
+    def fill(lo: int, hi: int) -> None:
+        if hi - lo <= INVERSE_LEAF:
+            out[lo:hi, lo:hi] = solved(lo, hi)
+            return
+        mid = (lo + hi) // 2
+        fill(lo, mid)
+        fill(mid, hi)
+        corner = torch.linalg.solve_triangular(U[lo:mid, lo:mid], U[lo:mid, mid:hi], upper=True)
+        out[lo:mid, mid:hi] = torch.linalg.solve_triangular(U[mid:hi, mid:hi], corner, upper=True, left=False).neg_()
+
+    fill(0, U.shape[0])
+    return out
+
+
+def _upper_inverse_factor(L: list[torch.Tensor]) -> torch.Tensor:
+    """Upper Cholesky factor of H⁻¹, given the lower Cholesky factor of H reversed (P·H·P = L·Lᵀ, P the reversal
+    permutation), taken out of the one-item list so it is freed as soon as its reversal exists.
+
+    Why reversed: Ũ = P·L·P is upper triangular with H = Ũ·Ũᵀ, so H⁻¹ = Ũ⁻ᵀ·Ũ⁻¹ and Ũ⁻¹ (upper, positive
+    diagonal) is H⁻¹'s upper Cholesky factor: one Cholesky and one triangular inverse, ~2/3 n³ multiply-adds. The
+    textbook route (H⁻¹ = L⁻ᵀL⁻¹ by a solve against the identity and a product, then a second Cholesky) does ~3.3
+    n³: at n = 8,192 (a down_proj of a 1B model) 8.5 s of a 10.6 s GPTQ call, 2 threads. (LAPACK's potri is
+    pathologically slow multi-threaded on a busy CPU: 1 s vs 40 ms.)"""
+    upper = L.pop().flip(0, 1)
+    return _upper_triangular_inverse(upper)
 
 
 def range_weights(w: torch.Tensor, hdiag: torch.Tensor, sigma2: torch.Tensor) -> torch.Tensor:
@@ -204,6 +231,7 @@ def gptq_quantize(
         W = W[:, perm]
         H = H[perm][:, perm]
         hdiag = hdiag[perm]
+    H = H.flip(0, 1)  # reversed (a copy; the one before is freed): see _upper_inverse_factor
     L = [_damped_cholesky(H, damp)]
     del H
     Hinv = _upper_inverse_factor(L)

@@ -188,16 +188,18 @@ def test_blocked_gptq_matches_textbook_algorithm():
     assert same > 0.99  # float32 vs float64 may flip a rare rounding tie
 
 
+@pytest.mark.parametrize("n", [512, 1536])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_a_taken_hessian_is_factored_in_place_with_four_matrices_at_most(act_order):
+def test_a_taken_hessian_is_factored_in_place_with_four_matrices_at_most(act_order, n):
     """`gptq_quantize(w, g.take(), own_h=True)` damps and factors the Hessian in place and frees it once
-    factored: new allocations peak at four n x n float32 matrices (the factor, the identity, its solve and
-    LAPACK's column-major copy), where a clone, a damped sum, an identity and each factor alive together
-    made seven (an 8B down_proj: 0.8 GB each). The result is the same as with a caller-held Hessian."""
+    factored: new allocations peak at four n x n float32 matrices (up to `INVERSE_LEAF`: the factor, the identity,
+    its solve and LAPACK's column-major copy; past it ~3.5, the triangular inverse by halves), where a clone, a
+    damped sum, an identity and each factor alive together made seven (an 8B down_proj: 0.8 GB each). The result
+    is the same as with a caller-held Hessian."""
     from llmopt.testing.live_bytes import LiveTensorBytes
 
     torch.manual_seed(0)
-    n, out = 512, 32
+    out = 32
     x = correlated_inputs(256, n)
     w = torch.randn(out, n) * 0.05
     scheme = QuantScheme(bits=4, group_size=64)
@@ -212,3 +214,18 @@ def test_a_taken_hessian_is_factored_in_place_with_four_matrices_at_most(act_ord
     assert torch.equal(got.q, expected.q) and torch.equal(got.scale, expected.scale)
     matrix = n * n * 4
     assert m.peak <= 4.5 * matrix, m.peak / matrix  # 7.1 before
+
+
+@pytest.mark.parametrize("n", [300, 1100])
+def test_the_inverse_factor_is_the_textbook_one(n):
+    """H⁻¹'s upper Cholesky factor from the reversed Cholesky and the triangular inverse by halves (two levels at
+    n = 1,100, uneven halves) is cholesky(inv(H)) in float64, to float32 rounding."""
+    from llmopt.quant.gptq import _damped_cholesky, _upper_inverse_factor
+
+    x = correlated_inputs(2 * n, n)
+    H = 2 * x.t() @ x / (2 * n)
+    damped = H.double() + 0.01 * torch.diag(H).double().mean() * torch.eye(n, dtype=torch.float64)
+    expected = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    got = _upper_inverse_factor([_damped_cholesky(H.flip(0, 1), 0.01)])
+    assert torch.allclose(torch.triu(got).double(), got.double())  # upper triangular
+    assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
