@@ -225,13 +225,19 @@ def gptq_quantize(
         scale.copy_(s0)
         zero.copy_(z0)
 
+    # Work on Wᵀ [cols, out] so each column (and the in-block update of the remaining columns)
+    # is contiguous memory: ~100x faster per-column updates on CPU than strided [:, i:] slices.
+    WT = W.t().contiguous()
+    del W
     perm = None
     if act_order:
         perm = torch.argsort(hdiag, descending=True)
-        W = W[:, perm]
-        H = H[perm][:, perm]
+        WT = WT[perm]  # rows gathered: a column gather of W was 10x slower
         hdiag = hdiag[perm]
-    H = H.flip(0, 1)  # reversed (a copy; the one before is freed): see _upper_inverse_factor
+    # H in processing order and reversed (see _upper_inverse_factor), by row gathers (H is symmetric: the
+    # transpose of H[r] is H with its columns in r's order); a copy, the one before is freed
+    back = torch.arange(cols - 1, -1, -1, device=device) if perm is None else perm.flip(0)
+    H = H[back].t().contiguous()[back]
     L = [_damped_cholesky(H, damp)]
     del H
     Hinv = _upper_inverse_factor(L)
@@ -245,10 +251,6 @@ def gptq_quantize(
         col_group = torch.arange(cols, device=device) // gs
     col_group_list = col_group.tolist()
 
-    # Work on Wᵀ [cols, out] so each column (and the in-block update of the remaining columns)
-    # is contiguous memory: ~100x faster per-column updates on CPU than strided [:, i:] slices.
-    WT = W.t().contiguous()
-    del W
     QT = torch.empty(cols, out, device=device)  # integer codes, processed order
     losses = torch.zeros(out, device=device)
     dynamic_groups = grouped and not static_groups
@@ -286,16 +288,14 @@ def gptq_quantize(
                 Err1[i] = err
         if i2 < cols:
             WT[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)
-    Q = QT.t()
-
     if perm is not None:
         inv = torch.argsort(perm)
-        Q = Q[:, inv]
+        QT = QT[inv]
         g_idx = col_group[inv].to(torch.int32)
     else:
         g_idx = identity_g_idx(cols, scheme.group_size, device)
     qw = QuantizedWeight(
-        q=Q.to(torch.uint8),
+        q=QT.to(torch.uint8).t().contiguous(),
         scale=scale,
         zero=None if scheme.symmetric else zero.to(torch.uint8),
         g_idx=g_idx,
