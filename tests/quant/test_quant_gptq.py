@@ -229,3 +229,27 @@ def test_the_inverse_factor_is_the_textbook_one(n):
     got = _upper_inverse_factor([_damped_cholesky(H.flip(0, 1), 0.01)])
     assert torch.allclose(torch.triu(got).double(), got.double())  # upper triangular
     assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_the_factorization_leaves_nothing_for_the_garbage_collector():
+    """Every matrix the factorization allocates is freed when its last reference goes, not when the cyclic garbage
+    collector runs: a nested recursive helper (a reference cycle) kept each call's n x n result alive, and a 1.2B
+    GPTQ quantize grew by 0.46 GB a layer (7.48 GB peak for `--scheme auto`)."""
+    import gc
+
+    from llmopt.quant.gptq import _damped_cholesky, _upper_inverse_factor
+    from llmopt.testing.live_bytes import LiveTensorBytes
+
+    n = 1100  # two levels of halves
+    x = correlated_inputs(2 * n, n)
+    H = 2 * x.t() @ x / (2 * n)
+    gc.collect()
+    gc.disable()
+    try:
+        with LiveTensorBytes() as m:
+            for _ in range(3):
+                U = _upper_inverse_factor([_damped_cholesky(H.flip(0, 1), 0.01)])
+                del U
+            assert m.live <= 0, m.live / (n * n * 4)
+    finally:
+        gc.enable()
