@@ -3,8 +3,8 @@
 //     err[c, r] = sum_j wt[r, j] * (s * (clamp(round(w[r, j] / s) + z, 0, maxq) - z) - w[r, j])^2,
 // the same arithmetic as rtn.fake_quantize (round half to even), in one pass over a row held in L1 for all
 // its candidates. torch runs it as ten element-wise ops, each a pass over a
-// [candidates, rows, cols] temporary, and the search took ~80% of a GPTQ call (docs/QUANTIZE.md, "The
-// range search in C"). `wt_stride` is 0 when one [cols] row of weights serves every row. Errors agree with
+// [candidates, rows, cols] temporary, and the search took ~80% of a GPTQ call (docs/QUANTIZE.md, "GPTQ's
+// cost per call"). `wt_stride` is 0 when one [cols] row of weights serves every row. Errors agree with
 // torch's to rounding, not bit for bit: sums run in another order, and -ffast-math may divide by multiplying
 // with the scale's reciprocal, which moves a quotient by an ulp (a quotient on a tie has the same error
 // either way). Built and loaded by range_search_kernel.py.

@@ -3,7 +3,7 @@ and called through ctypes.
 
 Why: `rtn.mse_params` scores 24 shrunk ranges of every group, and in torch each score is ten element-wise
 passes over a [candidates, rows, cols] temporary: ~80% of a GPTQ call's time on a 1.2B gate_proj. The C
-loop keeps a row in L1 for all its candidates (docs/QUANTIZE.md, "The range search in C").
+loop keeps a row in L1 for all its candidates (docs/QUANTIZE.md, "GPTQ's cost per call").
 """
 
 from __future__ import annotations
@@ -29,20 +29,15 @@ class RangeSearchKernel:
         fn.restype = None
         self._fn, self._lib, self.path = fn, lib, path
 
-    @staticmethod
-    def takes(w: torch.Tensor) -> bool:
-        """Whether the kernel can score this weight (a 2-D CPU tensor)."""
-        return w.device.type == "cpu" and w.dim() == 2
-
     def errors(self, w: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                maxq: int) -> torch.Tensor:
         """[c, rows] Σ_j weights·(scale·(clamp(round(w / scale) + zero, 0, maxq) - zero) - w)² per row of `w`
-        [rows, cols] and candidate: `scale`, `zero` [c, rows]; `weights` [rows, cols], or [cols] / [1, cols]
-        shared by every row."""
+        [rows, cols] (on the CPU) and candidate: `scale`, `zero` [c, rows]; `weights` [rows, cols], or one value or
+        one [cols] / [1, cols] row shared by every row."""
         rows, cols = w.shape
         w = w.float().contiguous()
         wt = weights.float()
-        if wt.dim() == 1 or wt.shape[0] == 1:
+        if wt.dim() < 2 or wt.shape[0] == 1:
             wt, stride = wt.reshape(-1).expand(cols).contiguous(), 0
         else:
             wt, stride = wt.expand(rows, cols).contiguous(), cols

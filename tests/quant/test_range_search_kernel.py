@@ -29,7 +29,7 @@ def _torch_errors(w, wt, scale, zero, maxq):
 def test_errors_match_torchs_fake_quantize(cols, bits, symmetric, threads):
     """Every candidate's error is torch's to float32 summation error, for row lengths that end inside a
     16-lane vector, int4's signed scales (its extreme on the lowest code), asymmetric zeros and ranges shrunk
-    to 30% (values past them clamp to the end codes); weights per element and one row broadcast to every row."""
+    to 30% (values past them clamp to the end codes); weights per element, and one row or one value for every row."""
     kernel = rk.load()
     assert kernel is not None
     g = torch.Generator().manual_seed(cols * 10 + bits)
@@ -40,7 +40,7 @@ def test_errors_match_torchs_fake_quantize(cols, bits, symmetric, threads):
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for wt in (torch.rand(37, cols, generator=g), torch.rand(cols, generator=g)):
+        for wt in (torch.rand(37, cols, generator=g), torch.rand(cols, generator=g), torch.tensor(0.7)):
             ours = kernel.errors(w, wt, scale, zero, scheme.maxq)
             theirs = _torch_errors(w.double(), wt.double(), scale.double(), zero.double(), scheme.maxq)
             assert ours.shape == (6, 37)
