@@ -236,10 +236,13 @@ def gptq_quantize(
         perm = torch.argsort(hdiag, descending=True)
         WT = WT[perm]  # rows gathered: a column gather of W was 10x slower
         hdiag = hdiag[perm]
-    # H in processing order and reversed (see _upper_inverse_factor), by row gathers (H is symmetric: the
-    # transpose of H[r] is H with its columns in r's order); a copy, the one before is freed
-    back = torch.arange(cols - 1, -1, -1, device=device) if perm is None else perm.flip(0)
-    H = H[back].t().contiguous()[back]
+    # H in processing order and reversed (see _upper_inverse_factor); with act-order by row gathers (H is
+    # symmetric: the transpose of H[r] is H with its columns in r's order); a copy, the one before is freed
+    if perm is None:
+        H = H.flip(0, 1)
+    else:
+        back = perm.flip(0)
+        H = H[back].t().contiguous()[back]
     L = [_damped_cholesky(H, damp)]
     del H
     Hinv = _upper_inverse_factor(L)

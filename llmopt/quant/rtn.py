@@ -129,11 +129,13 @@ def mse_params(
                             weights[r:r + slab] if per_row else weights, coarse, native)  # type: ignore[index]
                  for r in range(0, rows, slab)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    w = w.float() if kernel is None else w.float().contiguous()
+    w = w.float()
     xmin, xmax = w.amin(dim=1), w.amax(dim=1)
     if weights is not None:
         norm = 2.0
     wt = torch.ones((), device=w.device) if weights is None else weights.float().to(w.device)
+    if kernel is not None:  # the kernel reads both in row order: made so once here, not per chunk of candidates
+        w, wt = w.contiguous(), wt.contiguous()
     steps = max(int(maxshrink * grid), 1)
     best_err = torch.full((rows,), float("inf"), device=w.device)
     best_k = torch.zeros(rows, dtype=torch.long, device=w.device)
