@@ -179,16 +179,14 @@ def main() -> None:
         return
     shape = SHAPES[args.shape]
     embedding = shape["vocab_size"] * shape["hidden_size"] * 2  # bf16 in every checkpoint, one row read a token
+    calibration = ["--num-samples", str(args.gptq_windows), "--seq-len", "512",
+                   *[a for c in CALIB for a in ("--calib-data", str(c))]]
     quantized = {
         "w8a16-rtn": ["--scheme", "w8a16"],
         "w4a16-rtn": ["--scheme", "w4a16", "--group-size", "128"],
-        "w4a16-gptq": ["--scheme", "w4a16", "--group-size", "128", "--method", "gptq",
-                       "--num-samples", str(args.gptq_windows), "--seq-len", "512",
-                       *[a for c in CALIB for a in ("--calib-data", str(c))]],
+        "w4a16-gptq": ["--scheme", "w4a16", "--group-size", "128", "--method", "gptq", *calibration],
         # each linear's precision chosen under the bits of uniform W4A16 g32 (docs/QUANTIZE.md, "Automatic precision")
-        "auto-gptq": ["--scheme", "auto", "--target-bits", "4.5", "--method", "gptq",
-                      "--num-samples", str(args.gptq_windows), "--seq-len", "512",
-                      *[a for c in CALIB for a in ("--calib-data", str(c))]],
+        "auto-gptq": ["--scheme", "auto", "--target-bits", "4.5", "--method", "gptq", *calibration],
     }
     gen = ["generate", "--max-tokens", "64", "--prompt", PROMPT, "--json"]
     if "generate" in stages:
