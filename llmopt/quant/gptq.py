@@ -140,8 +140,8 @@ def _upper_inverse_factor(L: list[torch.Tensor]) -> torch.Tensor:
     Why reversed: Ũ = P·L·P is upper triangular with H = Ũ·Ũᵀ, so H⁻¹ = Ũ⁻ᵀ·Ũ⁻¹ and Ũ⁻¹ (upper, positive
     diagonal) is H⁻¹'s upper Cholesky factor: one Cholesky and one triangular inverse, ~2/3 n³ multiply-adds. The
     textbook route (H⁻¹ = L⁻ᵀL⁻¹ by a solve against the identity and a product, then a second Cholesky) does ~3.3
-    n³: at n = 8,192 (a down_proj of a 1B model) 8.5 s of a 10.6 s GPTQ call, 2 threads. (Not LAPACK's potri,
-    torch's cholesky_inverse: pathologically slow multi-threaded on a busy CPU, 1 s vs 40 ms.)"""
+    n³: at n = 8,192 (a down_proj of a 1B model) 8.5 s of a 10.6 s GPTQ call, 2 threads. (torch's cholesky_inverse,
+    LAPACK's potri, is not used: pathologically slow multi-threaded on a busy CPU, 1 s vs 40 ms.)"""
     upper = L.pop().flip(0, 1)
     return _upper_triangular_inverse(upper)
 
