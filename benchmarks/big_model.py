@@ -11,8 +11,8 @@
 2. Runs each stage as its own `python -m llmopt ...` process and samples its /proc status every 20 ms:
    peak RssAnon (anonymous memory: what the process allocated, without the page cache of the mapped
    checkpoint) and peak VmRSS, and its wall time.
-   - quantize: W8A16 RTN, W4A16 RTN g128, W4A16 GPTQ g128 (16 windows of 512 tokens); `--schemes auto-gptq`:
-     `--scheme auto --target-bits 4.5 --method gptq` on the same windows;
+   - quantize: W8A16 RTN, W4A16 RTN g128, W4A16 GPTQ g128 (16 windows of 512 tokens); `--schemes auto-gptq`
+     (or `auto-rtn`): `--scheme auto --target-bits 4.5 --method gptq` (`rtn`) on the same windows;
    - generate: 64 tokens, greedy, bf16 on the source checkpoint and on each quantized one;
    - eval: perplexity, KL and top-1 of the W8A16 checkpoint against the bf16 model (`--eval-tokens` of
      WikiText-2 when ../shared/data has it, else the shipped calibration prose), one model after the other.
@@ -187,6 +187,8 @@ def main() -> None:
         "w4a16-gptq": ["--scheme", "w4a16", "--group-size", "128", "--method", "gptq", *calibration],
         # each linear's precision chosen under the bits of uniform W4A16 g32 (docs/QUANTIZE.md, "Automatic precision")
         "auto-gptq": ["--scheme", "auto", "--target-bits", "4.5", "--method", "gptq", *calibration],
+        # the same search with each candidate rounded to nearest: what a user can afford at 8B on 2 cores
+        "auto-rtn": ["--scheme", "auto", "--target-bits", "4.5", "--method", "rtn", *calibration],
     }
     gen = ["generate", "--max-tokens", "64", "--prompt", PROMPT, "--json"]
     if "generate" in stages:

@@ -65,7 +65,7 @@ def main() -> None:
                         outs = llms[mode].generate([prompt] * batch, params, use_tqdm=False)
                         speed.setdefault((mode, batch), []).append(batch * args.tokens / (time.perf_counter() - t))
                         tokens[(mode, batch)] = [list(o.outputs[0].token_ids) for o in outs]
-            profile = _profile(llms["native"], prompt, params, args.tokens)
+            profile = profile_single_stream(llms["native"], prompt, params, args.tokens)
             for batch in (1, 8):
                 e, n = (statistics.median(speed[(m, batch)]) for m in ("eager", "native"))
                 rows.append((scheme, batch, e, n, tokens[("eager", batch)] == tokens[("native", batch)],
@@ -91,7 +91,7 @@ def main() -> None:
                   + f" | {head:.2f} | {rest:.2f} |")
 
 
-def _profile(llm, prompt, params, n_tokens: int):
+def profile_single_stream(llm, prompt, params, n_tokens: int):
     """(ms per token in all, ms per token per op kind inside the step, ms per token in the head) of one
     single-stream generation (its prefill counted in the total: one step of n_tokens)."""
     runner = llm.engine.runner
