@@ -46,7 +46,7 @@ def one_call(shape: str, group_size: int, codes_out: str, torch_search: bool) ->
     H = x.t() @ x / x.shape[0]
     del x
     t = time.perf_counter()
-    qw, _ = gptq_quantize(w, H.clone(), QuantScheme(bits=4, group_size=group_size), mse_observer=True, own_h=True)
+    qw, _ = gptq_quantize(w, [H.clone()], QuantScheme(bits=4, group_size=group_size), mse_observer=True)
     seconds = time.perf_counter() - t
     d = w - qw.dequantize(torch.float32)
     error = float(((d @ H) * d).sum() / ((w @ H) * w).sum())

@@ -271,9 +271,9 @@ def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | 
     if ws.kind == "fp8":
         return fp8_quantize(w, ws).dequantize(torch.float32)
     if hessian is not None:
-        return gptq_quantize(w, hessian.clone(), ws, damp=opts.damp, block_size=opts.block_size,
+        return gptq_quantize(w, [hessian.clone()], ws, damp=opts.damp, block_size=opts.block_size,
                              act_order=opts.act_order, static_groups=opts.act_order and opts.static_groups,
-                             mse_observer=opts.mse, own_h=True)[0].dequantize(torch.float32)
+                             mse_observer=opts.mse)[0].dequantize(torch.float32)
     if x is None or scheme.int8_activations:
         return rtn_quantize(w, ws).dequantize(torch.float32)
     s = awq_search_scales(x, [w], ws)[0].to(w.device) if scaled else None

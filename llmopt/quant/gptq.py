@@ -18,6 +18,8 @@ from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx
 from llmopt.quant.rtn import group_params, mse_params, params_from_range, quantize_codes
 from llmopt.quant.scheme import QuantScheme
 
+PRODUCT_BLOCK = 1 << 24  # elements of one block of a low-precision xᵀx product (64 MB in float32)
+
 
 class GPTQ:
     """Running Hessian H = 2/n · Σ x xᵀ of one linear's inputs (n = tokens seen so far)."""
@@ -48,7 +50,11 @@ class GPTQ:
             self.H.addmm_(x.t(), x)
         else:
             xp = x.to(self.product_dtype)
-            self.H.add_((xp.t() @ xp).float())
+            # by blocks of rows (whole up to 4,096 inputs): the whole product and its float32 copy were 1.2 GB
+            # beside H at an 8B down_proj; rows in multiples of 256, where blocks measured equal to the whole
+            rows = max(256, (PRODUCT_BLOCK // self.in_features) // 256 * 256)
+            for lo in range(0, self.in_features, rows):
+                self.H[lo:lo + rows].add_((xp[:, lo:lo + rows].t() @ xp).float())
         self.nsamples = total
 
     def quantize(self, w: torch.Tensor, scheme: QuantScheme, **kwargs) -> tuple[QuantizedWeight, float]:
@@ -58,7 +64,7 @@ class GPTQ:
         return gptq_quantize(w, self.H, scheme, **kwargs)
 
     def take(self) -> torch.Tensor:
-        """Hand the Hessian over (for `gptq_quantize(..., own_h=True)`): this object keeps no reference, so
+        """Hand the Hessian over (for `gptq_quantize(w, [g.take()], ...)`): this object keeps no reference, so
         the callee can free it once factored. An 8B down_proj's Hessian is 14,336² floats, 0.8 GB."""
         if self.nsamples == 0 or self.H is None:
             raise LlmoptError("GPTQ has seen no calibration inputs; call add_batch first")
@@ -106,31 +112,34 @@ INVERSE_LEAF = 512  # blocks up to this size are inverted by one solve against t
 
 
 def _upper_triangular_inverse(U: torch.Tensor) -> torch.Tensor:
-    """U⁻¹ for an upper triangular U, by halves: inv([[A, B], [0, C]]) = [[A⁻¹, -A⁻¹·B·C⁻¹], [0, C⁻¹]], the corner by
-    two triangular solves against A and C. n³/3 multiply-adds where one solve against the identity does n³ (at
-    n = 8,192, 2 threads: 0.9 s against 2.5 s)."""
+    """U⁻¹ for an upper triangular U, in place (U is overwritten and returned), by halves: inv([[A, B], [0, C]]) =
+    [[A⁻¹, -A⁻¹·B·C⁻¹], [0, C⁻¹]], the corner by two triangular solves against A and C before they are inverted.
+    n³/3 multiply-adds where one solve against the identity does n³ (at n = 8,192, 2 threads: 0.9 s against
+    2.5 s); in place, so the inverse needs U and two quarter-size temporaries, not a second n x n matrix (0.8 GB
+    at an 8B down_proj's n = 14,336)."""
     if U.shape[0] <= INVERSE_LEAF:
         return _solved(U)
-    out = torch.zeros_like(U)
-    _fill_inverse(U, out, 0, U.shape[0])
-    return out
+    _invert_in_place(U, 0, U.shape[0])
+    return U
 
 
 def _solved(U: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(U, torch.eye(U.shape[0], device=U.device, dtype=U.dtype), upper=True)
 
 
-def _fill_inverse(U: torch.Tensor, out: torch.Tensor, lo: int, hi: int) -> None:
-    """out[lo:hi, lo:hi] = U[lo:hi, lo:hi]⁻¹. (A module function: a nested recursive one is a reference cycle
-    that kept each `out`, an n x n matrix, alive until the garbage collector ran: +0.46 GB per 1.2B layer.)"""
+def _invert_in_place(U: torch.Tensor, lo: int, hi: int) -> None:
+    """U[lo:hi, lo:hi] = U[lo:hi, lo:hi]⁻¹: the corner first, from A and C as they are, then A and C. (A module
+    function: a nested recursive one is a reference cycle that kept its frame's tensors alive until the garbage
+    collector ran: +0.46 GB per 1.2B layer, session 37.)"""
     if hi - lo <= INVERSE_LEAF:
-        out[lo:hi, lo:hi] = _solved(U[lo:hi, lo:hi])
+        U[lo:hi, lo:hi] = _solved(U[lo:hi, lo:hi])
         return
     mid = (lo + hi) // 2
-    _fill_inverse(U, out, lo, mid)
-    _fill_inverse(U, out, mid, hi)
     corner = torch.linalg.solve_triangular(U[lo:mid, lo:mid], U[lo:mid, mid:hi], upper=True)
-    out[lo:mid, mid:hi] = torch.linalg.solve_triangular(U[mid:hi, mid:hi], corner, upper=True, left=False).neg_()
+    U[lo:mid, mid:hi] = torch.linalg.solve_triangular(U[mid:hi, mid:hi], corner, upper=True, left=False).neg_()
+    del corner
+    _invert_in_place(U, lo, mid)
+    _invert_in_place(U, mid, hi)
 
 
 def _upper_inverse_factor(L: list[torch.Tensor]) -> torch.Tensor:
@@ -158,18 +167,19 @@ def range_weights(w: torch.Tensor, hdiag: torch.Tensor, sigma2: torch.Tensor) ->
 @torch.no_grad()
 def gptq_quantize(
     w: torch.Tensor,
-    H: torch.Tensor,
+    H: torch.Tensor | list[torch.Tensor],
     scheme: QuantScheme,
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = True,
     static_groups: bool = True,
     mse_observer: bool = False,
-    own_h: bool = False,
 ) -> tuple[QuantizedWeight, float]:
-    """Quantize `w` [out, in] with GPTQ given the input Hessian `H` [in, in]. With `own_h` (the caller passes
-    `GPTQ.take()` and holds no reference) H is damped and factored in place and freed once factored: the
-    peak is four n x n matrices where it was seven and the caller's Hessian.
+    """Quantize `w` [out, in] with GPTQ given the input Hessian `H` [in, in]. Handed over as a one-item list
+    (`[g.take()]`, which this empties), H is damped and factored in place and freed once factored: the peak is
+    two n x n matrices where it was seven with a caller-held Hessian (0.8 GB each at an 8B down_proj). A list,
+    because a tensor passed directly stays referenced by the caller's frame until the call returns: that kept
+    one more n x n matrix alive through every call (session 39).
 
     * dead inputs (H_ii == 0) get H_ii = 1 and a zeroed weight column;
     * λ = damp · mean(diag H) is added to the diagonal before the Cholesky of H⁻¹;
@@ -193,6 +203,9 @@ def gptq_quantize(
         raise LlmoptError(f"GPTQ quantizes int schemes; got {scheme.describe()}")
     if w.dim() != 2:
         raise LlmoptError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    own_h = isinstance(H, list)
+    if own_h:
+        H = H.pop()
     out, cols = w.shape
     if tuple(H.shape) != (cols, cols):
         raise LlmoptError(f"Hessian shape {tuple(H.shape)} does not match in_features {cols}")
@@ -237,12 +250,15 @@ def gptq_quantize(
         WT = WT[perm]  # rows gathered: a column gather of W was 10x slower
         hdiag = hdiag[perm]
     # H in processing order and reversed (see _upper_inverse_factor); with act-order by row gathers (H is
-    # symmetric: the transpose of H[r] is H with its columns in r's order); a copy, the one before is freed
+    # symmetric: the transpose of H[r] is H with its columns in r's order); one statement per copy, so that
+    # each frees the one before it: two n x n matrices at a time, not three
     if perm is None:
         H = H.flip(0, 1)
     else:
         back = perm.flip(0)
-        H = H[back].t().contiguous()[back]
+        H = H[back]
+        H = H.t().contiguous()
+        H = H[back]
     L = [_damped_cholesky(H, damp)]
     del H
     Hinv = _upper_inverse_factor(L)

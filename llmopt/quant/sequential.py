@@ -343,10 +343,10 @@ class SequentialQuantizer:
             qw = fp8_quantize(w, ws)
         elif self._method(t) == "gptq" and cap is not None and cap.hessian is not None:
             method = "gptq"
-            qw, loss = gptq_quantize(w, cap.hessian.take(), ws, damp=self.opt.damp, block_size=self.opt.block_size,
+            qw, loss = gptq_quantize(w, [cap.hessian.take()], ws, damp=self.opt.damp, block_size=self.opt.block_size,
                                      act_order=self.opt.act_order,
                                      static_groups=self.opt.act_order and self.opt.static_groups,
-                                     mse_observer=self.opt.mse, own_h=True)
+                                     mse_observer=self.opt.mse)
         elif self._method(t) == "awq" and cap is not None and not scheme.int8_activations:
             method = "awq"
             max_val = awq_search_clip(cap.sample().to(w.device), w, ws)
