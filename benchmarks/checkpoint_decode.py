@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from decode_step import profile_single_stream
+from decode_step import PROMPT, profile_single_stream
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
 
     from llmopt import LLM, SamplingParams
 
-    prompt = list(range(100, 132))
+    prompt = PROMPT
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llms = {p: LLM(p, dtype="bfloat16") for p in args.checkpoints}
     for p, llm in llms.items():
@@ -61,7 +61,7 @@ def main() -> None:
         med = statistics.median(speed[p])
         rounds = ", ".join(f"{s:.1f}" for s in speed[p])
         print(f"| {Path(p).name} | {size:.4g} | {med:.1f} ({rounds}) | {med / first:.2f}x | "
-              f"{total:.2f} / {ops.get('linear', 0.0):.2f} / {ops.get('attend', 0.0):.2f} / {head:.2f} |", flush=True)
+              f"{total:.2f} / {ops['linear']:.2f} / {ops['attend']:.2f} / {head:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

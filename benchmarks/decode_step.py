@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+PROMPT = list(range(100, 132))  # 32 token ids, the same for every engine and checkpoint compared
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -41,7 +43,7 @@ def main() -> None:
     from llmopt.quant.recipe import QuantizeConfig
 
     work = Path(tempfile.mkdtemp(prefix="decode-step-"))
-    prompt = list(range(100, 132))
+    prompt = PROMPT
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     rows = []
     try:
