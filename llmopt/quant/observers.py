@@ -44,21 +44,24 @@ def _batch_minmax(x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, tor
     return x.amin(), x.amax()
 
 
-class MinMaxObserver(Observer):
-    """Exact running min and max (per tensor, or per last-dim channel)."""
+class _RunningRange(Observer):
+    """A (min, max) kept from batch to batch; subclasses say how a batch's range joins the running one."""
 
-    def __init__(self, per_channel: bool = False) -> None:
+    def __init__(self, per_channel: bool) -> None:
         self.per_channel = per_channel
         self.min: torch.Tensor | None = None
         self.max: torch.Tensor | None = None
+
+    @abstractmethod
+    def _join(self, old: torch.Tensor, new: torch.Tensor, upper: bool) -> torch.Tensor:
+        """The running bound after a batch whose bound is `new` (the max when `upper`, else the min)."""
 
     def update(self, x: torch.Tensor) -> None:
         lo, hi = _batch_minmax(x, self.per_channel)
         if self.min is None or self.max is None:
             self.min, self.max = lo, hi
         else:
-            self.min = torch.minimum(self.min, lo)
-            self.max = torch.maximum(self.max, hi)
+            self.min, self.max = self._join(self.min, lo, False), self._join(self.max, hi, True)
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._require(self.min is not None)
@@ -66,7 +69,17 @@ class MinMaxObserver(Observer):
         return self.min, self.max
 
 
-class EmaObserver(Observer):
+class MinMaxObserver(_RunningRange):
+    """Exact running min and max (per tensor, or per last-dim channel)."""
+
+    def __init__(self, per_channel: bool = False) -> None:
+        super().__init__(per_channel)
+
+    def _join(self, old: torch.Tensor, new: torch.Tensor, upper: bool) -> torch.Tensor:
+        return torch.maximum(old, new) if upper else torch.minimum(old, new)
+
+
+class EmaObserver(_RunningRange):
     """Moving average of per-batch min/max: m ← m + c·(batch − m), first batch taken as is.
 
     Same definition as torch.ao's MovingAverageMinMaxObserver (c = averaging_constant = 0.01);
@@ -76,23 +89,11 @@ class EmaObserver(Observer):
     def __init__(self, averaging_constant: float = 0.01, per_channel: bool = False) -> None:
         if not 0 < averaging_constant <= 1:
             raise LlmoptError(f"averaging_constant must be in (0, 1], got {averaging_constant}")
+        super().__init__(per_channel)
         self.c = averaging_constant
-        self.per_channel = per_channel
-        self.min: torch.Tensor | None = None
-        self.max: torch.Tensor | None = None
 
-    def update(self, x: torch.Tensor) -> None:
-        lo, hi = _batch_minmax(x, self.per_channel)
-        if self.min is None or self.max is None:
-            self.min, self.max = lo, hi
-        else:
-            self.min = self.min + self.c * (lo - self.min)
-            self.max = self.max + self.c * (hi - self.max)
-
-    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._require(self.min is not None)
-        assert self.min is not None and self.max is not None
-        return self.min, self.max
+    def _join(self, old: torch.Tensor, new: torch.Tensor, upper: bool) -> torch.Tensor:
+        return old + self.c * (new - old)
 
 
 class _GrowingHistogram:
