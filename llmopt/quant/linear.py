@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -149,8 +150,10 @@ class _QuantLinear(nn.Module):
         raise LlmoptError(f"{type(self).__name__} has no kernel path")
 
 
-class Int4WeightOnlyLinear(_QuantLinear):
-    """Grouped int4 weights (sym or asym) on the tinygemm int4 kernels; see module doc."""
+class _IntLinear(_QuantLinear):
+    """An integer weight of one width (`bits`), built into the subclass's layout by `_build`."""
+
+    bits: int
 
     @classmethod
     def from_quantized(
@@ -159,16 +162,25 @@ class Int4WeightOnlyLinear(_QuantLinear):
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> Int4WeightOnlyLinear:
-        if qw.scheme.kind != "int" or qw.scheme.bits != 4:
-            raise LlmoptError(f"Int4WeightOnlyLinear needs an int4 weight, got {qw.scheme.describe()}")
+    ) -> Self:
+        if qw.scheme.kind != "int" or qw.scheme.bits != cls.bits:
+            raise LlmoptError(f"{cls.__name__} needs an int{cls.bits} weight, got {qw.scheme.describe()}")
         m, qw = cls._create(qw, bias, compute_dtype, device)
-        m.group_size = qw.group_size
         m._build(qw)
         return m
 
     def _build(self, qw: QuantizedWeight) -> None:
+        raise NotImplementedError
+
+
+class Int4WeightOnlyLinear(_IntLinear):
+    """Grouped int4 weights (sym or asym) on the tinygemm int4 kernels; see module doc."""
+
+    bits = 4
+
+    def _build(self, qw: QuantizedWeight) -> None:
         N, K, gs = self.out_features, self.in_features, qw.group_size
+        self.group_size = gs
         q, scale, zero, g_idx = qw.q, qw.scale.float(), qw.zero_points().float(), qw.g_idx
         perm = None
         if qw.is_act_order:
@@ -213,7 +225,6 @@ class Int4WeightOnlyLinear(_QuantLinear):
         self.register_buffer("scale", qw.scale.float())
         self.register_buffer("zero", None if qw.zero is None else qw.zero.clone())
         self.register_buffer("g_idx", qw.g_idx.clone() if qw.is_act_order else None)
-        self.group_size = gs
 
     def _build_vnni(self, qw: QuantizedWeight, perm: torch.Tensor | None) -> bool:
         """Our CPU kernel's layout (module doc) where it applies; False leaves the other paths to `_build`."""
@@ -291,8 +302,10 @@ class Int4WeightOnlyLinear(_QuantLinear):
                             amx_min_rows=self._vnni.amx_from_rows(self.in_features, torch.uint8))
 
 
-class Int8WeightOnlyLinear(_QuantLinear):
+class Int8WeightOnlyLinear(_IntLinear):
     """int8 weights; per-channel on a kernel (see module doc), anything else dequantized per call."""
+
+    bits = 8
 
     _native = True  # False (enforce_eager): decode-size batches on torch's kernel instead of ours
     _decode_kernel: int8_kernel.Int8LinearKernel | bool | None = None  # None: not resolved yet; False: none
@@ -304,20 +317,6 @@ class Int8WeightOnlyLinear(_QuantLinear):
     @native_kernel.setter
     def native_kernel(self, on: bool) -> None:
         self._native, self._decode_kernel = on, None
-
-    @classmethod
-    def from_quantized(
-        cls,
-        qw: QuantizedWeight,
-        bias: torch.Tensor | None = None,
-        compute_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> Int8WeightOnlyLinear:
-        if qw.scheme.kind != "int" or qw.scheme.bits != 8:
-            raise LlmoptError(f"Int8WeightOnlyLinear needs an int8 weight, got {qw.scheme.describe()}")
-        m, qw = cls._create(qw, bias, compute_dtype, device)
-        m._build(qw)
-        return m
 
     def _build(self, qw: QuantizedWeight) -> None:
         K = self.in_features
