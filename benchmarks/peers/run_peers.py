@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefix-prompts", type=int, help="shared-prefix requests")
     ap.add_argument("--workloads", default="mixed,single,prefix")
     ap.add_argument("--shape", choices=SHAPES, default=SHAPES[0],
-                    help="smollm2-135m (the embedded model) or 1b (a 1.2B Llama shape, written once into .peers/shapes)")
+                    help="smollm2-135m (the embedded model), 1b (a 1.2B Llama shape) or llama3-8b (16 GB; 45 GB of disk with "
+                         "its GGUFs and our checkpoints), each written once into .peers/shapes")
     ap.add_argument("--engines", default=",".join(pp.ENGINES))
     ap.add_argument("--precisions", default=",".join(pp.PRECISIONS))
     ap.add_argument("--servers", help=f"explicit server list: {','.join(pp.SERVERS)}")
@@ -91,13 +92,14 @@ def _csv(text: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ models
 
 
-SHAPES = ("smollm2-135m", "1b")  # the embedded model (cache-resident), the 1.2B Llama shape (DRAM-bound)
+# the embedded model (cache-resident), the 1.2B Llama shape (DRAM-bound), the Llama-3-8B shape (what people deploy)
+SHAPES = ("smollm2-135m", "1b", "llama3-8b")
 
 
 def shape_models(shape: str) -> tuple[Path, dict[str, Path]]:
-    """(the bf16 HF folder, llama.cpp's GGUF per type) of a shape. The 1B shape is written once into
-    .peers/shapes/1b by big_model.py's writer (seeded random weights, 2.3 GB) and converted and quantized by
-    llama.cpp's own tools next to it (BF16, Q8_0, Q4_0: 4.3 GB more)."""
+    """(the bf16 HF folder, llama.cpp's GGUF per type) of a shape. The 1B and 8B shapes are written once into
+    .peers/shapes/SHAPE by big_model.py's writer (seeded random weights, 2.3 / 16.1 GB) and converted and
+    quantized by llama.cpp's own tools next to it (BF16, Q8_0, Q4_0: 4.3 / 29 GB more)."""
     if shape == "smollm2-135m":
         return ps.hf_dir(), ps.gguf_models()
     sys.path.insert(0, str(HERE.parent))
