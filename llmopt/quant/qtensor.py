@@ -26,6 +26,14 @@ import torch
 from llmopt.errors import LlmoptError
 from llmopt.quant.scheme import QuantScheme
 
+BLOCK_ELEMENTS = 1 << 22  # elements of a weight that one block of rows covers: 16 MB a float32 temporary
+
+
+def row_blocks(rows: int, cols: int) -> list[slice]:
+    """Slices of whole rows covering [rows, cols], each about `BLOCK_ELEMENTS` (one slice for a small weight):
+    element-wise quantize / dequantize work a block at a time, the same values with temporaries that small."""
+    step = max(1, BLOCK_ELEMENTS // max(1, cols))
+    return [slice(lo, lo + step) for lo in range(0, rows, step)]
 
 def identity_g_idx(
     in_features: int, group_size: int, device: torch.device | str | None = None
@@ -98,13 +106,19 @@ class QuantizedWeight:
         return torch.full_like(self.scale, self.scheme.sym_zero, dtype=torch.int32)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Float weight [out, in]: computed in float32 (exact for these small integers), then cast."""
+        """Float weight [out, in]: computed in float32 (exact for these small integers), then cast. By blocks
+        of rows, so the float32 temporaries stay small beside the result (whole, they were five times an
+        8B down_proj's float32 weight)."""
+        out = torch.empty(self.q.shape, dtype=dtype, device=self.q.device)
         idx = self.g_idx.long()
-        scale = self.scale.float()[:, idx]
-        if self.scheme.kind == "fp8":
-            return (self.q.float() * scale).to(dtype)
-        codes = self.q.to(torch.int32) - self.zero_points()[:, idx]
-        return (codes.float() * scale).to(dtype)
+        zero = None if self.scheme.kind == "fp8" else self.zero_points()
+        for rows in row_blocks(self.out_features, self.in_features):
+            scale = self.scale[rows].float()[:, idx]
+            if zero is None:
+                out[rows] = self.q[rows].float() * scale
+            else:
+                out[rows] = (self.q[rows].to(torch.int32) - zero[rows][:, idx]).float() * scale
+        return out
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(

@@ -10,7 +10,7 @@ import torch
 
 from llmopt.errors import LlmoptError
 from llmopt.quant import range_search_kernel
-from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx
+from llmopt.quant.qtensor import QuantizedWeight, identity_g_idx, row_blocks
 from llmopt.quant.scheme import QuantScheme
 
 
@@ -199,7 +199,9 @@ def quantize_with_params(
 ) -> QuantizedWeight:
     """Build a QuantizedWeight from `w` [out, in] and already-chosen per-group parameters."""
     idx = g_idx.long()
-    q = quantize_codes(w.float(), scale[:, idx], zero[:, idx], scheme.maxq).to(torch.uint8)
+    q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    for rows in row_blocks(*w.shape):  # small temporaries (qtensor.row_blocks); the same codes
+        q[rows] = quantize_codes(w[rows].float(), scale[rows][:, idx], zero[rows][:, idx], scheme.maxq)
     zero_t = None if scheme.symmetric else zero.to(torch.uint8)
     return QuantizedWeight(q=q, scale=scale.float(), zero=zero_t, g_idx=g_idx.to(torch.int32), scheme=scheme)
 

@@ -180,3 +180,54 @@ def test_mse_params_memory_does_not_grow_with_the_weight(monkeypatch):
         peaks[limit] = m.peak
     assert peaks[1 << 40] > 300e6  # 10 candidates x the weight, in several temporaries
     assert peaks[1 << 20] < 64e6
+
+
+def _whole_dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """The definition, over the whole weight at once: scale x (code - zero), per column's group."""
+    idx = qw.g_idx.long()
+    if qw.scheme.kind == "fp8":
+        return qw.q.float() * qw.scale.float()[:, idx]
+    return (qw.q.to(torch.int32) - qw.zero_points()[:, idx]).float() * qw.scale.float()[:, idx]
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(bits=4, group_size=32), QuantScheme(bits=4, group_size=64, symmetric=False),
+                                    QuantScheme(bits=8, group_size=-1)], ids=lambda s: s.describe())
+def test_quantize_and_dequantize_by_blocks_of_rows_are_the_whole_weights_values(monkeypatch, scheme):
+    """RTN's codes and `dequantize` work a block of rows at a time (an 8B down_proj's whole-weight temporaries
+    were ~2 GB); blocks of 7 rows, the last one shorter, give bitwise the codes and floats of one block, for
+    contiguous and act-order groups, in float32 and bf16."""
+    import llmopt.quant.qtensor as qtensor
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 128, generator=g)
+    whole = rtn_quantize(w, scheme)
+    monkeypatch.setattr(qtensor, "BLOCK_ELEMENTS", 7 * 128)
+    blocked = rtn_quantize(w, scheme)
+    assert torch.equal(blocked.q, whole.q) and torch.equal(blocked.scale, whole.scale)
+    perm = torch.randperm(128, generator=g)  # act-order: each column's group by a permutation
+    shuffled = QuantizedWeight(q=whole.q, scale=whole.scale, zero=whole.zero, g_idx=whole.g_idx[perm], scheme=scheme)
+    for qw in (whole, shuffled):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(qw.dequantize(dtype), _whole_dequantize(qw).to(dtype))
+
+
+def test_quantize_and_dequantize_allocate_little_beyond_their_results(monkeypatch):
+    """Live tensor bytes of RTN and of `dequantize` to float32, one block (as before) against 16 blocks of 64
+    rows. Each count includes the float32 weight itself (an input seen through a view, or the result) and the
+    codes (0.25 of it); beyond those, one block's temporaries (~0.27) where whole-weight ones were ~4x it."""
+    import llmopt.quant.qtensor as qtensor
+    from llmopt.testing.live_bytes import LiveTensorBytes
+
+    w = torch.randn(1024, 4096)  # 16 MB in float32
+    scheme = QuantScheme(bits=4, group_size=128)
+    peaks = {}
+    for block in (w.numel(), w.numel() // 16):
+        monkeypatch.setattr(qtensor, "BLOCK_ELEMENTS", block)
+        with LiveTensorBytes() as quantizing:
+            qw = rtn_quantize(w, scheme)
+        with LiveTensorBytes() as dequantizing:
+            qw.dequantize(torch.float32)
+        peaks[block] = (quantizing.peak / (w.numel() * 4), dequantizing.peak / (w.numel() * 4))
+    whole, blocked = peaks.values()
+    assert all(x >= 5.0 for x in whole), whole  # 5.27 and 5.27 here
+    assert all(x <= 1.6 for x in blocked), blocked  # 1.52 and 1.52
