@@ -207,25 +207,29 @@ def model_config(path: Path) -> dict:
 # ------------------------------------------------------------------------------------ memory bandwidth
 
 
+COPY_MIB_MAX = 2048  # the copy's buffer: far past the caches, and a 16 GB read buffer's copy would not fit in 24 GiB
+
+
 def measure_bandwidth(threads: int, mib: int = 1024, repeats: int = 7) -> dict[str, float]:
     """Best-of-N memory bandwidth in GB/s with `threads` torch threads on a buffer far larger than the caches:
-    read (a sum over it, what decode does with weights) and copy (read + write, counted as 2x the buffer)."""
+    read (a sum over `mib`, what decode does with weights) and copy (read + write of the first
+    `COPY_MIB_MAX` of it at most, counted as 2x the bytes copied)."""
     import torch
 
     torch.set_num_threads(threads)
     n = mib * 2**20 // 4
     x = torch.ones(n, dtype=torch.float32)
-    y = torch.empty_like(x)
+    y = torch.empty(min(n, COPY_MIB_MAX * 2**20 // 4), dtype=torch.float32)
+    src = x[: y.numel()]
     x.sum()
-    y.copy_(x)
+    y.copy_(src)
     best_read = best_copy = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         x.sum()
         best_read = min(best_read, time.perf_counter() - t)
         t = time.perf_counter()
-        y.copy_(x)
+        y.copy_(src)
         best_copy = min(best_copy, time.perf_counter() - t)
-    nbytes = n * 4
-    return {"read_gbs": nbytes / best_read / 1e9, "copy_gbs": 2 * nbytes / best_copy / 1e9, "buffer_mib": mib,
-            "threads": threads}
+    return {"read_gbs": n * 4 / best_read / 1e9, "copy_gbs": 2 * y.numel() * 4 / best_copy / 1e9, "buffer_mib": mib,
+            "copy_mib": y.numel() * 4 // 2**20, "threads": threads}
