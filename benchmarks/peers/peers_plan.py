@@ -457,6 +457,11 @@ def goals(cells: dict[tuple[str, str, int], Cell], sizes: Sizes) -> list[Goal]:
 # ----------------------------------------------------------------------------------------- markdown
 
 
+def _rate(tokens_per_s: float) -> str:
+    """A decode limit: whole tokens a second, a decimal below 10 (an 8B model's 2.0 is not "2")."""
+    return f"{tokens_per_s:.1f}" if tokens_per_s < 10 else f"{tokens_per_s:.0f}"
+
+
 def _fmt(s: Stat | None, digits: int = 1, spread: bool = True) -> str:
     return "—" if s is None else s.fmt(digits, spread)
 
@@ -490,7 +495,7 @@ def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], si
         lines.append(f"| {s}{flags} | {labels.get(s, '')} | "
                      f"{_fmt(mixed.get('output_throughput')) + f' (c{p[1]})' if mixed else '—'} | "
                      f"{_fmt(mixed.get('ttft_p99_ms'), 0) if mixed else '—'} | {_fmt(dec)} | "
-                     f"{'—' if share is None else f'{100 * share:.0f}% of {lim.tokens_per_s:.0f}'} | "
+                     f"{'—' if share is None else f'{100 * share:.0f}% of {_rate(lim.tokens_per_s)}'} | "
                      f"{_fmt(prefix.get('ttft_p50_ms'), 0) if prefix else '—'} |")
     concs = sorted({k[2] for k in cells if k[1] == "mixed"})
     if concs:
@@ -514,7 +519,7 @@ def markdown(cells: dict[tuple[str, str, int], Cell], servers: Sequence[str], si
                 dec = single.get("decode_tps") if single else None
                 share = lim.share(dec.median) if dec else None
                 lines.append(f"| {s} | {lim.weight_bytes / 1e6:.1f} | {lim.kv_bytes / 1e6:.2f} | {lim.bandwidth_gbs:.1f} | "
-                             f"{lim.tokens_per_s:.0f} | {_fmt(dec)} | {'—' if share is None else f'{100 * share:.0f}%'} |")
+                             f"{_rate(lim.tokens_per_s)} | {_fmt(dec)} | {'—' if share is None else f'{100 * share:.0f}%'} |")
     gl = goals(cells, sizes)
     if any(g.met is not None for g in gl):
         lines += ["", "Goals: ours / the peer's, mean over paired interleaved rounds with the 95% bootstrap interval "
