@@ -47,7 +47,7 @@ def _batch_minmax(x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, tor
 class _RunningRange(Observer):
     """A (min, max) kept from batch to batch; subclasses say how a batch's range joins the running one."""
 
-    def __init__(self, per_channel: bool) -> None:
+    def __init__(self, per_channel: bool = False) -> None:
         self.per_channel = per_channel
         self.min: torch.Tensor | None = None
         self.max: torch.Tensor | None = None
@@ -71,9 +71,6 @@ class _RunningRange(Observer):
 
 class MinMaxObserver(_RunningRange):
     """Exact running min and max (per tensor, or per last-dim channel)."""
-
-    def __init__(self, per_channel: bool = False) -> None:
-        super().__init__(per_channel)
 
     def _join(self, old: torch.Tensor, new: torch.Tensor, upper: bool) -> torch.Tensor:
         return torch.maximum(old, new) if upper else torch.minimum(old, new)

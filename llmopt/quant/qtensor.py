@@ -35,6 +35,7 @@ def row_blocks(rows: int, cols: int) -> list[slice]:
     step = max(1, BLOCK_ELEMENTS // max(1, cols))
     return [slice(lo, lo + step) for lo in range(0, rows, step)]
 
+
 def identity_g_idx(
     in_features: int, group_size: int, device: torch.device | str | None = None
 ) -> torch.Tensor:

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 from llmopt.errors import LlmoptError
 from llmopt.group_size import valid_group_sizes
 from llmopt.quant import QuantScheme, rtn_quantize
+from llmopt.quant.fp8 import fp8_quantize
 from llmopt.quant.qtensor import QuantizedWeight
 from llmopt.quant.rtn import SIGNED_SCALE_BITS, fake_quantize, group_params, mse_params
 
@@ -195,7 +196,7 @@ def _whole_dequantize(qw: QuantizedWeight) -> torch.Tensor:
 def test_quantize_and_dequantize_by_blocks_of_rows_are_the_whole_weights_values(monkeypatch, scheme):
     """RTN's codes and `dequantize` work a block of rows at a time (an 8B down_proj's whole-weight temporaries
     were ~2 GB); blocks of 7 rows, the last one shorter, give bitwise the codes and floats of one block, for
-    contiguous and act-order groups, in float32 and bf16."""
+    contiguous and act-order groups and fp8 weights, in float32 and bf16."""
     import llmopt.quant.qtensor as qtensor
 
     g = torch.Generator().manual_seed(0)
@@ -206,7 +207,8 @@ def test_quantize_and_dequantize_by_blocks_of_rows_are_the_whole_weights_values(
     assert torch.equal(blocked.q, whole.q) and torch.equal(blocked.scale, whole.scale)
     perm = torch.randperm(128, generator=g)  # act-order: each column's group by a permutation
     shuffled = QuantizedWeight(q=whole.q, scale=whole.scale, zero=whole.zero, g_idx=whole.g_idx[perm], scheme=scheme)
-    for qw in (whole, shuffled):
+    fp8 = fp8_quantize(w)
+    for qw in (whole, shuffled, fp8):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(qw.dequantize(dtype), _whole_dequantize(qw).to(dtype))
 
