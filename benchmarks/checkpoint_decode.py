@@ -37,18 +37,17 @@ def main() -> None:
 
     from llmopt import LLM, SamplingParams
 
-    prompt = PROMPT
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llms = {p: LLM(p, dtype="bfloat16") for p in args.checkpoints}
     for p, llm in llms.items():
         if llm.engine.runner.decode_step is None:
             raise SystemExit(f"{p}: the native decode step did not build, so this would time the eager one")
-        llm.generate([prompt], params, use_tqdm=False)  # warm-up: kernel builds, first-call costs
+        llm.generate([PROMPT], params, use_tqdm=False)  # warm-up: kernel builds, first-call costs
     speed: dict[str, list[float]] = {p: [] for p in args.checkpoints}
     for rnd in range(args.rounds):
         for p in args.checkpoints if rnd % 2 == 0 else args.checkpoints[::-1]:
             t = time.perf_counter()
-            llms[p].generate([prompt], params, use_tqdm=False)
+            llms[p].generate([PROMPT], params, use_tqdm=False)
             speed[p].append(args.tokens / (time.perf_counter() - t))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.tokens} tokens after a 32-token "
           f"prompt, single stream, median of {args.rounds} alternating rounds\n")
@@ -57,7 +56,7 @@ def main() -> None:
     first = statistics.median(speed[args.checkpoints[0]])
     for p in args.checkpoints:
         size = sum(f.stat().st_size for f in Path(p).glob("*.safetensors")) / 1e6
-        total, ops, head = profile_single_stream(llms[p], prompt, params, args.tokens)
+        total, ops, head = profile_single_stream(llms[p], PROMPT, params, args.tokens)
         med = statistics.median(speed[p])
         rounds = ", ".join(f"{s:.1f}" for s in speed[p])
         print(f"| {Path(p).name} | {size:.4g} | {med:.1f} ({rounds}) | {med / first:.2f}x | "

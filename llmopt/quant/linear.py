@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from abc import ABC, abstractmethod
 from typing import Self
 
 import torch
@@ -150,7 +151,7 @@ class _QuantLinear(nn.Module):
         raise LlmoptError(f"{type(self).__name__} has no kernel path")
 
 
-class _IntLinear(_QuantLinear):
+class _IntLinear(_QuantLinear, ABC):
     """An integer weight of one width (`bits`), built into the subclass's layout by `_build`."""
 
     bits: int
@@ -169,8 +170,9 @@ class _IntLinear(_QuantLinear):
         m._build(qw)
         return m
 
+    @abstractmethod
     def _build(self, qw: QuantizedWeight) -> None:
-        raise NotImplementedError
+        """Register the buffers this class runs `qw` from, and set `mode`."""
 
 
 class Int4WeightOnlyLinear(_IntLinear):
