@@ -10,7 +10,9 @@ Each round is greedy decode of --tokens tokens after a 32-token prompt. Reported
 its safetensors, the median tok/s and each round's, the ratio to the first checkpoint, and one profiled run
 (ms per token: all, inside the step's linears and attention, and the lm_head), from decode_step.py's profile.
 A mixed `--scheme auto` checkpoint against uniform ones of about its size is what this was written for
-(docs/BENCHMARKS.md, "a mixed checkpoint decodes at the speed of its bytes"). Memory: every model at once.
+(docs/BENCHMARKS.md, "a mixed checkpoint decodes at the speed of its bytes"). Memory: every model at once, each
+with a KV pool of --kv-cache-memory (the engine's 2 GiB default, times four models of the 8B layer shape, ran
+this machine out of memory).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("checkpoints", nargs="+", help="checkpoint folders (the first is the reference of the ratios)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--kv-cache-memory", default="256MiB", help="each model's KV pool (default: 256MiB)")
     args = ap.parse_args()
     missing = [p for p in args.checkpoints if not Path(p).is_dir()]
     if missing:
@@ -38,7 +41,7 @@ def main() -> None:
     from llmopt import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    llms = {p: LLM(p, dtype="bfloat16") for p in args.checkpoints}
+    llms = {p: LLM(p, dtype="bfloat16", kv_cache_memory=args.kv_cache_memory) for p in args.checkpoints}
     for p, llm in llms.items():
         if llm.engine.runner.decode_step is None:
             raise SystemExit(f"{p}: the native decode step did not build, so this would time the eager one")
