@@ -19,7 +19,7 @@ from llmopt.quant.awq import (
 from llmopt.quant.dequantized import DequantizedLinear
 from llmopt.quant.dynamic_int8 import Int8DynamicActivationLinear, quantize_per_token
 from llmopt.quant.fp8 import FP8_E4M3_MAX, FP8_SCHEME, fp8_dequantize, fp8_quantize
-from llmopt.quant.gptq import GPTQ, gptq_quantize
+from llmopt.quant.gptq import GPTQ, GPTQFactor, gptq_factor, gptq_quantize
 from llmopt.quant.linear import (
     Fp8WeightOnlyLinear,
     Int4WeightOnlyLinear,
@@ -52,6 +52,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "FP8_SCHEME",
     "GPTQ",
+    "GPTQFactor",
     "ChannelStats",
     "ConcatLinear",
     "DequantizedLinear",
@@ -77,6 +78,7 @@ __all__ = [
     "fold_scales_into_norm",
     "fp8_dequantize",
     "fp8_quantize",
+    "gptq_factor",
     "gptq_quantization_config",
     "gptq_quantize",
     "identity_g_idx",

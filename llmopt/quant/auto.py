@@ -60,7 +60,7 @@ from llmopt.group_size import is_valid_group_size
 from llmopt.models.base import CausalLM
 from llmopt.quant.awq import awq_search_clip, awq_search_scales, scale_linear_inputs
 from llmopt.quant.fp8 import fp8_quantize
-from llmopt.quant.gptq import GPTQ, gptq_quantize
+from llmopt.quant.gptq import GPTQ, GPTQFactor, gptq_factor, gptq_quantize
 from llmopt.quant.recipe import SEARCHED_METHODS, ModuleScheme, candidate_scheme
 from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.sequential import scaled_producers
@@ -262,16 +262,16 @@ def _lower_hull(opts: list[Option]) -> list[Option]:
     return pts
 
 
-def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: torch.Tensor | None, x: torch.Tensor | None,
+def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: GPTQFactor | None, x: torch.Tensor | None,
                  scaled: bool, opts: SearchOptions) -> torch.Tensor:
-    """`w` [out, in] as the quantize would leave it under `scheme`, dequantized to float32: by GPTQ given a
-    Hessian, by AWQ given the linear's inputs `x` [n, in] (input-channel scales searched when `scaled`, and
+    """`w` [out, in] as the quantize would leave it under `scheme`, dequantized to float32: by GPTQ given its
+    Hessian's factor, by AWQ given the linear's inputs `x` [n, in] (input-channel scales searched when `scaled`, and
     undone here: the pipeline folds 1/s into the producer, the same function), else by RTN."""
     ws = scheme.weights
     if ws.kind == "fp8":
         return fp8_quantize(w, ws).dequantize(torch.float32)
     if hessian is not None:
-        return gptq_quantize(w, [hessian.clone()], ws, damp=opts.damp, block_size=opts.block_size,
+        return gptq_quantize(w, hessian, ws, damp=opts.damp, block_size=opts.block_size,
                              act_order=opts.act_order, static_groups=opts.act_order and opts.static_groups,
                              mse_observer=opts.mse)[0].dequantize(torch.float32)
     if x is None or scheme.int8_activations:
@@ -357,10 +357,14 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
             lin = fwd.get_submodule(rel)
             kept = lin.weight.data
             w = layer.get_submodule(rel).weight.data.float()
-            h = hessians.pop(rel).H if gptq else None
             rows = inputs.pop(rel, None)
             x = torch.cat(rows).to(w.device) if rows else None  # an expert no sampled token reached: RTN
             quantized = [(j, o) for j, o in enumerate(options[t.module]) if o.scheme is not None]
+            hessian = hessians.pop(rel) if gptq else None
+            # factored once for every GPTQ candidate (up to four grids on one Hessian), and the Hessian freed
+            h = gptq_factor([hessian.take()], opts.damp, opts.act_order, w.device) if hessian is not None and any(
+                (o.method or opts.method) == "gptq" and o.scheme.weights.kind != "fp8" for _, o in quantized) else None
+            del hessian
             low = min((o.bits for _, o in quantized), default=None)
             cheap: dict[int, torch.Tensor] = {}  # the cheapest options' weights (one per method)
             for j, o in quantized:

@@ -2,7 +2,7 @@
 columns not yet quantized through the inverse Hessian of the layer's inputs (Frantar et al. 2022).
 
 The caller feeds the layer's real inputs to `GPTQ.add_batch` (H = 2/n · Σ x xᵀ), then calls
-`gptq_quantize(W, H, scheme)`. Everything is plain float32 torch on W's device (CPU or CUDA).
+`gptq_quantize(W, H, scheme)`, or factors H once (`gptq_factor`) for several calls on it. Everything is plain float32 torch on W's device (CPU or CUDA).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -165,10 +166,65 @@ def range_weights(w: torch.Tensor, hdiag: torch.Tensor, sigma2: torch.Tensor) ->
     return hdiag * torch.sqrt(sigma2[:, None] + w * w)
 
 
+@dataclass
+class GPTQFactor:
+    """What every GPTQ call on one Hessian shares, whatever the grid: H⁻¹'s upper Cholesky factor in processing
+    order, the act-order permutation, and H's diagonal. `--scheme auto` measures up to four grids per linear on
+    one Hessian; factoring it once is 9.4 s saved per grid at an 8B down_proj's 14,336 inputs (docs/QUANTIZE.md,
+    "GPTQ's cost per call"). Read only by the calls, so one factor serves any number of them."""
+
+    hinv: torch.Tensor  # [n, n] upper factor of H⁻¹, rows and columns in processing order
+    perm: torch.Tensor | None  # processing order (act-order: decreasing H_ii), None for the natural one
+    hdiag: torch.Tensor  # [n] diag H, dead inputs set to 1, original order
+    dead: torch.Tensor  # [n] bool: inputs no calibration token reached (H_ii == 0)
+    damp: float
+    act_order: bool
+
+
+@torch.no_grad()
+def gptq_factor(H: torch.Tensor | list[torch.Tensor], damp: float = 0.01, act_order: bool = True,
+                device: torch.device | str | None = None) -> GPTQFactor:
+    """Factor the input Hessian `H` [n, n] for `gptq_quantize`. Handed over as a one-item list (`[g.take()]`,
+    which this empties), H is damped and factored in place and freed once factored: the peak is two n x n
+    matrices past `INVERSE_LEAF` inputs (three up to it), where it was 4.5 before session 39 and seven before
+    session 37 (0.8 GB each at an 8B down_proj). A list, because a tensor passed directly stays referenced by
+    the caller's frame until the call returns: that kept one more n x n matrix alive through every call
+    (session 39). A tensor passed directly is copied, and left as it was.
+
+    * dead inputs (H_ii == 0) get H_ii = 1 (and `gptq_quantize` a zeroed weight column);
+    * λ = damp · mean(diag H) is added to the diagonal before the Cholesky of H⁻¹;
+    * `act_order` processes columns by decreasing H_ii."""
+    own_h = isinstance(H, list)
+    if own_h:
+        H = H.pop()
+    if H.dim() != 2 or H.shape[0] != H.shape[1]:
+        raise LlmoptError(f"expected a square Hessian, got shape {tuple(H.shape)}")
+    H = H.detach().to(device=device if device is not None else H.device, dtype=torch.float32)
+    if not own_h:
+        H = H.clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    hdiag = torch.diag(H).clone()  # each input's E[x_i²] up to a constant
+    perm = torch.argsort(hdiag, descending=True) if act_order else None
+    # H in processing order and reversed (see _upper_inverse_factor); with act-order by row gathers (H is
+    # symmetric: the transpose of H[r] is H with its columns in r's order); one statement per copy, so that
+    # each frees the one before it: two n x n matrices at a time, not three
+    if perm is None:
+        H = H.flip(0, 1)
+    else:
+        back = perm.flip(0)
+        H = H[back]
+        H = H.t().contiguous()
+        H = H[back]
+    L = [_damped_cholesky(H, damp)]
+    del H
+    return GPTQFactor(_upper_inverse_factor(L), perm, hdiag, dead, damp, act_order)
+
+
 @torch.no_grad()
 def gptq_quantize(
     w: torch.Tensor,
-    H: torch.Tensor | list[torch.Tensor],
+    H: torch.Tensor | list[torch.Tensor] | GPTQFactor,
     scheme: QuantScheme,
     damp: float = 0.01,
     block_size: int = 128,
@@ -176,15 +232,11 @@ def gptq_quantize(
     static_groups: bool = True,
     mse_observer: bool = False,
 ) -> tuple[QuantizedWeight, float]:
-    """Quantize `w` [out, in] with GPTQ given the input Hessian `H` [in, in]. Handed over as a one-item list
-    (`[g.take()]`, which this empties), H is damped and factored in place and freed once factored: the peak is
-    two n x n matrices past `INVERSE_LEAF` inputs (three up to it), where it was 4.5 before session 39 and
-    seven before session 37 (0.8 GB each at an 8B down_proj). A list,
-    because a tensor passed directly stays referenced by the caller's frame until the call returns: that kept
-    one more n x n matrix alive through every call (session 39).
+    """Quantize `w` [out, in] with GPTQ given the input Hessian `H` [in, in], or its `gptq_factor` (made with the
+    same `damp` and `act_order`; shared by calls on one Hessian). A Hessian is factored here, as `gptq_factor`
+    says (a one-item list is emptied, and H freed once factored).
 
-    * dead inputs (H_ii == 0) get H_ii = 1 and a zeroed weight column;
-    * λ = damp · mean(diag H) is added to the diagonal before the Cholesky of H⁻¹;
+    * dead inputs (H_ii == 0) get a zeroed weight column;
     * columns are processed in blocks of `block_size` with lazy updates of the rest;
     * with `static_groups` (the default) group parameters are fixed up front from the original
       contiguous groups, as RTN picks them (so act-order keeps identity g_idx); without, they are chosen
@@ -205,12 +257,14 @@ def gptq_quantize(
         raise LlmoptError(f"GPTQ quantizes int schemes; got {scheme.describe()}")
     if w.dim() != 2:
         raise LlmoptError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    own_h = isinstance(H, list)
-    if own_h:
-        H = H.pop()
     out, cols = w.shape
-    if tuple(H.shape) != (cols, cols):
-        raise LlmoptError(f"Hessian shape {tuple(H.shape)} does not match in_features {cols}")
+    if isinstance(H, GPTQFactor):
+        if (H.damp, H.act_order) != (damp, act_order):
+            raise LlmoptError(f"the GPTQ factor was made with damp={H.damp:g}, act_order={H.act_order}; "
+                              f"this call asks for damp={damp:g}, act_order={act_order}")
+    elif tuple((H[0] if isinstance(H, list) else H).shape) != (cols, cols):
+        raise LlmoptError(f"Hessian shape {tuple((H[0] if isinstance(H, list) else H).shape)} does not match "
+                          f"in_features {cols}")
     scheme.check_in_features(cols)
     gs = scheme.effective_group_size(cols)
     n_groups = cols // gs
@@ -218,14 +272,12 @@ def gptq_quantize(
     device = w.device
 
     W = w.detach().to(torch.float32).clone()
-    H = H.detach().to(device=device, dtype=torch.float32)
-    if not own_h:
-        H = H.clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
-
-    hdiag = torch.diag(H).clone()  # each input's E[x_i²] up to a constant
+    factor = H if isinstance(H, GPTQFactor) else gptq_factor(H, damp, act_order, device)
+    del H
+    if tuple(factor.hinv.shape) != (cols, cols):
+        raise LlmoptError(f"Hessian shape {tuple(factor.hinv.shape)} does not match in_features {cols}")
+    W[:, factor.dead] = 0
+    hdiag, perm, Hinv = factor.hdiag, factor.perm, factor.hinv
     sigma2 = 2 * W.pow(2).mean(1)  # each row's, from the weights before any error feedback
 
     def choose(block: torch.Tensor, cols_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,24 +298,9 @@ def gptq_quantize(
     # is contiguous memory: ~100x faster per-column updates on CPU than strided [:, i:] slices.
     WT = W.t().contiguous()
     del W
-    perm = None
-    if act_order:
-        perm = torch.argsort(hdiag, descending=True)
+    if perm is not None:
         WT = WT[perm]  # rows gathered: a column gather of W was 10x slower
         hdiag = hdiag[perm]
-    # H in processing order and reversed (see _upper_inverse_factor); with act-order by row gathers (H is
-    # symmetric: the transpose of H[r] is H with its columns in r's order); one statement per copy, so that
-    # each frees the one before it: two n x n matrices at a time, not three
-    if perm is None:
-        H = H.flip(0, 1)
-    else:
-        back = perm.flip(0)
-        H = H[back]
-        H = H.t().contiguous()
-        H = H[back]
-    L = [_damped_cholesky(H, damp)]
-    del H
-    Hinv = _upper_inverse_factor(L)
 
     # group of each *processed* column position
     if act_order and not static_groups:

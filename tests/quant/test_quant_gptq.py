@@ -278,3 +278,42 @@ def test_the_factorization_leaves_nothing_for_the_garbage_collector():
             assert m.live <= 0, m.live / (n * n * 4)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_one_factor_serves_every_grid_as_its_own_hessian_would(act_order):
+    """`--scheme auto` factors a linear's Hessian once for its GPTQ candidates (`gptq_factor`): each grid's codes
+    and scales are bitwise those of a call that factors the Hessian itself, in any order of calls (no call
+    changes the factor), and dead inputs are still zeroed."""
+    from llmopt.quant import gptq_factor
+
+    torch.manual_seed(0)
+    x = correlated_inputs(512, 256)
+    x[:, [3, 200]] = 0
+    w = torch.randn(48, 256) * 0.05
+    H = _hessian(x)
+    factor = gptq_factor([H.clone()], 0.01, act_order)
+    grids = [QuantScheme(bits=4, group_size=g) for g in (128, 64, 32)] + [QuantScheme(bits=8, group_size=-1)]
+    for scheme in grids + grids[::-1]:
+        expected, loss = gptq_quantize(w, H, scheme, act_order=act_order, mse_observer=True)
+        got, got_loss = gptq_quantize(w, factor, scheme, act_order=act_order, mse_observer=True)
+        assert torch.equal(got.q, expected.q) and torch.equal(got.scale, expected.scale), scheme.describe()
+        assert torch.equal(got.g_idx, expected.g_idx) and got_loss == loss
+        assert torch.equal(got.dequantize()[:, [3, 200]], torch.zeros(48, 2))
+
+
+def test_a_factor_is_refused_by_a_call_with_other_settings():
+    from llmopt.quant import gptq_factor
+
+    x = correlated_inputs(256, 64)
+    factor = gptq_factor(_hessian(x), 0.01, act_order=True)
+    w = torch.randn(16, 64)
+    scheme = QuantScheme(bits=4, group_size=32)
+    with pytest.raises(LlmoptError, match="act_order"):
+        gptq_quantize(w, factor, scheme, act_order=False)
+    with pytest.raises(LlmoptError, match="damp"):
+        gptq_quantize(w, factor, scheme, damp=0.1)
+    with pytest.raises(LlmoptError, match="does not match"):
+        gptq_quantize(torch.randn(16, 32), factor, scheme)
+    with pytest.raises(LlmoptError, match="square"):
+        gptq_factor(torch.zeros(4, 5))
