@@ -64,7 +64,13 @@ class CausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.finish_logits(self.lm_head(hidden).float())
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the family does to the head's float32 output (Gemma: a soft cap), element-wise; apart from the
+        head's product, so code that computes that product its own way (the auto search's, by vocabulary blocks,
+        whose Fisher trace takes this function's derivative element by element) finishes alike."""
+        return logits
 
     def build_rotary(self, device) -> nn.Module:
         """The RoPE module (buffers only, rebuilt on the real device after meta construction): by default

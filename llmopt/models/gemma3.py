@@ -85,7 +85,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.spec.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

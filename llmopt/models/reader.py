@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
 
 class CheckpointTensors:
     """Every tensor of `directory`'s *.safetensors files, read on demand."""
@@ -44,6 +46,11 @@ class CheckpointTensors:
             with safe_open(str(f), framework="pt") as st:
                 for name in in_file:
                     yield name, st.get_tensor(name)
+
+    def float_dtype(self, name: str) -> torch.dtype | None:
+        """The stored dtype of `name` when it is a float one (None otherwise), from its file's header: nothing read."""
+        with safe_open(str(self.where[name]), framework="pt") as st:
+            return _FLOAT_DTYPES.get(st.get_slice(name).get_dtype())
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self else None

@@ -45,7 +45,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
 from llmopt.calibrate.forward import (
     CalibBatch,
@@ -61,6 +60,7 @@ from llmopt.models.base import CausalLM
 from llmopt.quant.awq import awq_search_clip, awq_search_scales, scale_linear_inputs
 from llmopt.quant.fp8 import fp8_quantize
 from llmopt.quant.gptq import GPTQ, GPTQFactor, gptq_factor, gptq_quantize
+from llmopt.quant.head_kl import HeadAccess, fisher_trace, mean_kl
 from llmopt.quant.recipe import SEARCHED_METHODS, ModuleScheme, candidate_scheme
 from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.sequential import scaled_producers
@@ -68,8 +68,6 @@ from llmopt.quant.targets import Target
 
 SAMPLE_TOKENS = 2048  # calibration tokens the damage is measured on by default (the first windows)
 PROBE_TOKENS = 512  # tokens each layer's depth probe carries to the end (the first windows of the sample)
-FISHER_SAMPLES = 4  # sampled next tokens per position for tr F_t
-_CHUNK = 256  # tokens per head evaluation (a 262k vocabulary: 256 MB of float32 logits)
 HEAD = "lm_head"  # the head's key among the plan's options (`--lm-head auto`)
 
 
@@ -113,6 +111,7 @@ class AutoPlan:
     reference: torch.Tensor | None = None  # [T, hidden] the unquantized final residual stream of the sample
     measured_kl: float | None = None
     gains: list[float] = field(default_factory=list)  # per decoder layer: real KL at the end / the formula's
+    head_dtype: torch.dtype | None = None  # the search's SearchOptions.head_dtype, for `measured_kl`
 
     @property
     def bits(self) -> float:
@@ -301,6 +300,7 @@ class SearchOptions:
     batch_tokens: int = 4096
     sample_tokens: int = SAMPLE_TOKENS
     head: dict[str, ModuleScheme | None] | None = None  # `--lm-head auto`: the head's candidates by name
+    head_dtype: torch.dtype | None = None  # an untied head's checkpoint dtype, held so (head_kl.HeadAccess)
 
 
 @torch.no_grad()
@@ -391,20 +391,15 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
             progress(i)
     reference = torch.cat([b.stream for b in batches]).float()
     del batches, fit_batches
-    fisher = _fisher_trace(model, reference, load, release) / reference.shape[-1]  # [T] tr F_t / d
-    gains = probe.gains(fisher)
+    with HeadAccess(model, load, release, opts.head_dtype).loaded():  # the norm and head, once for all three
+        fisher = fisher_trace(model, reference) / reference.shape[-1]  # [T] tr F_t / d
+        gains = probe.gains(fisher)
+        for o in options.get(HEAD, []):
+            o.kl = 0.0 if o.scheme is None else mean_kl(model, reference, reference, o.scheme)
     for (m, j), err in sq_err.items():
         options[m][j].kl = 0.5 * float((err * fisher).mean()) * gains[_layer_index(m)]
-    if HEAD in options:
-        parts = _head(model, load)
-        try:
-            for o in options[HEAD]:
-                o.kl = 0.0 if o.scheme is None else _mean_kl(model, reference, reference, o.scheme)
-        finally:
-            for p in parts:
-                release(p)
     plan = into if into is not None else AutoPlan(target_bits, {}, {})
-    plan.options, plan.weights, plan.gains = options, weights, gains
+    plan.options, plan.weights, plan.gains, plan.head_dtype = options, weights, gains, opts.head_dtype
     plan.sample_tokens, plan.reference = int(reference.shape[0]), reference
     plan.reallocate(target_bits)
     plan.seconds = time.perf_counter() - t0
@@ -452,62 +447,17 @@ class _DepthProbes:
         self.ref.hidden, self.ref.residual = out
 
     def gains(self, fisher: torch.Tensor) -> list[float]:
-        """Each layer's gain, given tr F_t / d of the sample's tokens (the probe's are its first)."""
+        """Each layer's gain, given tr F_t / d of the sample's tokens (the probe's are its first); the final
+        norm and head loaded."""
         out = [1.0] * len(self.model.layers)
-        if not self.probes:
-            return out
         reference = self.ref.stream.float()
         f = fisher[: reference.shape[0]]
-        parts = _head(self.model, self.load)
-        try:
-            for i, b in self.probes.items():
-                formula = 0.5 * float((self.sq[i].cpu() * f).mean())
-                real = _mean_kl(self.model, reference, b.stream.float())
-                if formula > 0 and math.isfinite(real) and real > 0:
-                    out[i] = real / formula
-        finally:
-            for p in parts:
-                self.release(p)
+        for i, b in self.probes.items():
+            formula = 0.5 * float((self.sq[i].cpu() * f).mean())
+            real = mean_kl(self.model, reference, b.stream.float())
+            if formula > 0 and math.isfinite(real) and real > 0:
+                out[i] = real / formula
         return out
-
-
-def _head(model: CausalLM, load: Callable[[str], None]) -> list[str]:
-    """Fill the final norm and the head (a tied head is the embedding); returns what to release."""
-    parts = ["norm", "embed_tokens" if model.spec.tie_word_embeddings else "lm_head"]
-    for p in parts:
-        load(p)
-    return parts
-
-
-def _log_probs(model: CausalLM, stream: torch.Tensor) -> torch.Tensor:
-    h = model.norm(stream.to(model.norm.weight.dtype))
-    return F.log_softmax(model.compute_logits(h).float(), dim=-1)
-
-
-def _fisher_trace(model: CausalLM, stream: torch.Tensor, load: Callable[[str], None],
-                  release: Callable[[str], None]) -> torch.Tensor:
-    """tr F_t of log p(· | stream_t) with respect to stream_t, per token: E_{y~p}‖∇ log p_y‖², estimated from
-    `FISHER_SAMPLES` sampled y (a fixed seed)."""
-    parts = _head(model, load)
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    try:
-        for lo in range(0, stream.shape[0], _CHUNK):
-            s = stream[lo:lo + _CHUNK].detach().clone().requires_grad_(True)
-            with torch.enable_grad():
-                logp = _log_probs(model, s)
-                ys = torch.multinomial(logp.detach().exp().cpu(), FISHER_SAMPLES, replacement=True,
-                                       generator=gen).to(logp.device)
-                total = torch.zeros(s.shape[0], device=s.device)
-                for k in range(FISHER_SAMPLES):
-                    (g,) = torch.autograd.grad(logp.gather(1, ys[:, k:k + 1]).sum(), s,
-                                               retain_graph=k + 1 < FISHER_SAMPLES)
-                    total += g.float().pow(2).sum(-1)
-            out.append((total / FISHER_SAMPLES).cpu())
-    finally:
-        for p in parts:
-            release(p)
-    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -515,33 +465,8 @@ def measured_kl(model: CausalLM, plan: AutoPlan, final: torch.Tensor, load: Call
                 release: Callable[[str], None]) -> float:
     """Mean KL(unquantized ‖ quantized) per token on the sample, from the two final residual streams."""
     assert plan.reference is not None
-    parts = _head(model, load)
-    try:
-        kl = _mean_kl(model, plan.reference, final.float(), plan.head_scheme())
-    finally:
-        for p in parts:
-            release(p)
+    with HeadAccess(model, load, release, plan.head_dtype).loaded():
+        kl = mean_kl(model, plan.reference, final.float(), plan.head_scheme())
     if not math.isfinite(kl):
         raise LlmoptError("the quantized model's KL on the calibration sample is not finite")
     return kl
-
-
-def _mean_kl(model: CausalLM, reference: torch.Tensor, stream: torch.Tensor,
-             head: ModuleScheme | None = None) -> float:
-    """Mean KL(p ‖ q) per token between the next-token distributions of two final residual streams (the
-    final norm and head already loaded); q's head rounded to `head` (by RTN, as the export rounds it) if given."""
-    weight = model.lm_head.weight
-    float_head = weight.data
-    rounded = None if head is None else rtn_quantize(float_head.float(), head.weights).dequantize(float_head.dtype)
-    total = 0.0
-    try:
-        for lo in range(0, reference.shape[0], _CHUNK):
-            p = _log_probs(model, reference[lo:lo + _CHUNK])
-            if rounded is not None:
-                weight.data = rounded
-            q = _log_probs(model, stream[lo:lo + _CHUNK])
-            weight.data = float_head
-            total += float((p.exp() * (p - q)).sum())
-    finally:
-        weight.data = float_head
-    return total / reference.shape[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -26,6 +27,9 @@ from llmopt.quant.export import CheckpointExport, head_module, quantization_conf
 from llmopt.quant.recipe import AUTO, QuantizeConfig
 from llmopt.quant.report import ModuleReport, QuantReport
 from llmopt.quant.sequential import QuantizedModule, SequentialOptions, SequentialQuantizer
+
+if TYPE_CHECKING:
+    from llmopt.models.reader import CheckpointTensors
 
 REPORT = "quantization_report.json"
 
@@ -58,8 +62,16 @@ def _check_data_given(cfg: QuantizeConfig) -> None:
                           "--calib-data PATH")
 
 
+def _head_dtype(model, checkpoint: CheckpointTensors) -> torch.dtype | None:
+    """An untied head's stored float dtype, which the auto search holds it in (None: tied, or not found)."""
+    if model.spec.tie_word_embeddings:
+        return None
+    names = [n for n in checkpoint.names() if type(model).hf_to_ours(n)[0] == "lm_head.weight"]
+    return checkpoint.float_dtype(names[0]) if names else None
+
+
 def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, console: Console,
-            into: AutoPlan | None) -> AutoPlan:
+            into: AutoPlan | None, head_dtype: torch.dtype | None) -> AutoPlan:
     """`--scheme auto`: measure every candidate of every linear and choose under `--target-bits`."""
     from llmopt.models.loader import release
 
@@ -67,7 +79,7 @@ def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, co
                          forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
                          act_order=bool(cfg.act_order), static_groups=cfg.static_groups, mse=bool(cfg.mse),
                          batch_tokens=cfg.batch_tokens, sample_tokens=cfg.auto_tokens or SAMPLE_TOKENS,
-                         head=cfg.head_candidates())
+                         head=cfg.head_candidates(), head_dtype=head_dtype)
     assert cfg.target_bits is not None
     with layer_progress(console, "measuring each linear's candidates", len(model.layers)) as advance:
         plan = search(model, targets, cfg.target_bits, windows, opts, load, lambda p: release(model, p), advance,
@@ -163,7 +175,8 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
     if cfg.scheme == AUTO:
         assert windows is not None and cfg.target_bits is not None
         if plan is None or not plan.options:
-            plan = _search(cfg, model, targets, windows, load, console, into=plan)
+            plan = _search(cfg, model, targets, windows, load, console, into=plan,
+                           head_dtype=_head_dtype(model, checkpoint))
             search_s = plan.seconds
         else:
             plan.reallocate(cfg.target_bits)
