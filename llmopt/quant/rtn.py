@@ -182,16 +182,27 @@ def group_params(
     clamps weights to ±max_val first; `mse` runs the shrink-grid search instead of min/max, weighing each
     weight's squared error by `weights` (broadcast to [out, in]) when given (GPTQ: `gptq.range_weights`).
     """
-    g = _group_view(w.float(), scheme)
-    if max_val is not None:
-        mv = max_val.float().to(g.device)[..., None]
-        g = torch.maximum(torch.minimum(g, mv), -mv)
+    if not mse:  # each group's min and max, a block of rows at a time: a bf16 weight's float32 copy and the
+        # clamp's two were whole-weight temporaries (an 8B head: 2.1 GB each); the same values, exactly
+        lo, hi = [], []
+        for rows in row_blocks(*w.shape):
+            g = _clamped(_group_view(w[rows].float(), scheme), None if max_val is None else max_val[rows])
+            lo.append(g.amin(-1))
+            hi.append(g.amax(-1))
+        return params_from_range(torch.cat(lo) * clip_ratio, torch.cat(hi) * clip_ratio, scheme)
+    g = _clamped(_group_view(w.float(), scheme), max_val)
     out, ng, gs = g.shape
-    if mse:
-        wts = None if weights is None else weights.float().to(g.device).expand(out, ng * gs).reshape(out * ng, gs)
-        scale, zero = mse_params(g.reshape(out * ng, gs), scheme, weights=wts)
-        return scale.reshape(out, ng), zero.reshape(out, ng)
-    return params_from_range(g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio, scheme)
+    wts = None if weights is None else weights.float().to(g.device).expand(out, ng * gs).reshape(out * ng, gs)
+    scale, zero = mse_params(g.reshape(out * ng, gs), scheme, weights=wts)
+    return scale.reshape(out, ng), zero.reshape(out, ng)
+
+
+def _clamped(g: torch.Tensor, max_val: torch.Tensor | None) -> torch.Tensor:
+    """Groups `g` [out, n_groups, group_size] clamped to ±max_val [out, n_groups] (AWQ's clip), if given."""
+    if max_val is None:
+        return g
+    mv = max_val.float().to(g.device)[..., None]
+    return torch.maximum(torch.minimum(g, mv), -mv)
 
 
 def quantize_with_params(
@@ -231,8 +242,5 @@ def rtn_fake_quantize(
 ) -> torch.Tensor:
     """Q(w) in float32 with contiguous groups (used inside AWQ's searches; no QuantizedWeight)."""
     scale, zero = group_params(w, scheme, max_val=max_val)
-    g = _group_view(w.float(), scheme)
-    if max_val is not None:
-        mv = max_val.float()[..., None]
-        g = torch.maximum(torch.minimum(g, mv), -mv)
+    g = _clamped(_group_view(w.float(), scheme), max_val)
     return fake_quantize(g, scale[..., None], zero[..., None], scheme.maxq).reshape(w.shape)

@@ -233,3 +233,27 @@ def test_quantize_and_dequantize_allocate_little_beyond_their_results(monkeypatc
     whole, blocked = peaks.values()
     assert all(x >= 5.0 for x in whole), whole  # 5.27 and 5.27 here
     assert all(x <= 1.6 for x in blocked), blocked  # 1.52 and 1.52
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_group_ranges_by_blocks_of_rows_are_exact_and_need_no_float_copy(monkeypatch, clip):
+    """`group_params`' min/max (RTN's ranges) go a block of rows at a time: a bf16 weight (an 8B head) was widened
+    whole, and AWQ's clip clamped the whole copy twice more. The same scales and zeros, bitwise; new allocations a
+    fraction of the float32 weight."""
+    import llmopt.quant.qtensor as qtensor
+    from llmopt.quant.rtn import group_params
+    from llmopt.testing.live_bytes import LiveTensorBytes
+
+    w = torch.randn(512, 1024).to(torch.bfloat16)
+    scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
+    max_val = w.float().reshape(512, 32, 32).abs().amax(-1) * 0.8 if clip else None
+    runs = []
+    for block in (w.numel(), 64 * 1024):  # one block (as before), then blocks of 64 rows
+        monkeypatch.setattr(qtensor, "BLOCK_ELEMENTS", block)
+        with LiveTensorBytes() as m:
+            runs.append((group_params(w, scheme, clip_ratio=0.9, max_val=max_val), m.peak / (w.numel() * 4)))
+    (whole, whole_peak), (blocked, blocked_peak) = runs
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    # both count the bf16 weight (0.5: seen through views); the whole one its float32 copy too (1.0, and the
+    # clamp's 2.0 more), the blocked one a block's worth
+    assert blocked_peak <= whole_peak - (2.2 if clip else 0.8), (whole_peak, blocked_peak)  # 3.56 -> 1.09, 1.87 -> 0.99
