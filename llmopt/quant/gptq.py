@@ -2,7 +2,8 @@
 columns not yet quantized through the inverse Hessian of the layer's inputs (Frantar et al. 2022).
 
 The caller feeds the layer's real inputs to `GPTQ.add_batch` (H = 2/n · Σ x xᵀ), then calls
-`gptq_quantize(W, H, scheme)`, or factors H once (`gptq_factor`) for several calls on it. Everything is plain float32 torch on W's device (CPU or CUDA).
+`gptq_quantize(W, H, scheme)`, or factors H once (`gptq_factor`) for several calls on it. Everything is plain
+float32 torch on W's device (CPU or CUDA).
 """
 
 from __future__ import annotations

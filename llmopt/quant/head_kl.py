@@ -45,7 +45,8 @@ class HeadAccess:
         w = model.lm_head.weight
         if not tied and self.head_dtype is not None and w.is_meta and self.head_dtype.itemsize < w.dtype.itemsize:
             kept = w  # the model's own (meta) parameter, put back after
-            model.lm_head.weight = nn.Parameter(torch.empty_like(w, dtype=self.head_dtype), requires_grad=w.requires_grad)
+            narrow = torch.empty_like(w, dtype=self.head_dtype)  # on meta: `load` fills it in this dtype
+            model.lm_head.weight = nn.Parameter(narrow, requires_grad=w.requires_grad)
         try:
             for p in parts:
                 self.load(p)
@@ -62,9 +63,10 @@ def _widened_blocks(weight: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]
         yield rows, weight[rows].float()
 
 
-def _held(model: CausalLM, hidden: torch.Tensor) -> bool:
-    """Whether the head is held narrower than the hidden state (its products then go by widened blocks)."""
-    return model.lm_head.weight.dtype != hidden.dtype
+def _held(model: CausalLM, x: torch.Tensor) -> bool:
+    """Whether the head is held in another dtype than the float32 `x` it multiplies (its products then go by
+    widened blocks)."""
+    return model.lm_head.weight.dtype != x.dtype
 
 
 def raw_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -80,11 +82,10 @@ def raw_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
 
 def _times_head(model: CausalLM, grad: torch.Tensor) -> torch.Tensor:
     """grad [T, V] @ W: the head's product taken backward, to the hidden state (float32)."""
-    weight = model.lm_head.weight
-    if weight.dtype == torch.float32:
-        return grad @ weight
+    if not _held(model, grad):
+        return grad @ model.lm_head.weight
     out = None
-    for rows, w in _widened_blocks(weight):
+    for rows, w in _widened_blocks(model.lm_head.weight):
         part = grad[:, rows] @ w
         out = part if out is None else out.add_(part)
     return out
