@@ -111,7 +111,6 @@ class AutoPlan:
     reference: torch.Tensor | None = None  # [T, hidden] the unquantized final residual stream of the sample
     measured_kl: float | None = None
     gains: list[float] = field(default_factory=list)  # per decoder layer: real KL at the end / the formula's
-    head_dtype: torch.dtype | None = None  # the search's SearchOptions.head_dtype, for `measured_kl`
 
     @property
     def bits(self) -> float:
@@ -261,7 +260,7 @@ def _lower_hull(opts: list[Option]) -> list[Option]:
     return pts
 
 
-def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: GPTQFactor | None, x: torch.Tensor | None,
+def _dequantized(w: torch.Tensor, scheme: ModuleScheme, factor: GPTQFactor | None, x: torch.Tensor | None,
                  scaled: bool, opts: SearchOptions) -> torch.Tensor:
     """`w` [out, in] as the quantize would leave it under `scheme`, dequantized to float32: by GPTQ given its
     Hessian's factor, by AWQ given the linear's inputs `x` [n, in] (input-channel scales searched when `scaled`, and
@@ -269,8 +268,8 @@ def _dequantized(w: torch.Tensor, scheme: ModuleScheme, hessian: GPTQFactor | No
     ws = scheme.weights
     if ws.kind == "fp8":
         return fp8_quantize(w, ws).dequantize(torch.float32)
-    if hessian is not None:
-        return gptq_quantize(w, hessian, ws, damp=opts.damp, block_size=opts.block_size,
+    if factor is not None:
+        return gptq_quantize(w, factor, ws, damp=opts.damp, block_size=opts.block_size,
                              act_order=opts.act_order, static_groups=opts.act_order and opts.static_groups,
                              mse_observer=opts.mse)[0].dequantize(torch.float32)
     if x is None or scheme.int8_activations:
@@ -399,7 +398,7 @@ def search(model: CausalLM, targets: list[Target], target_bits: float, windows: 
     for (m, j), err in sq_err.items():
         options[m][j].kl = 0.5 * float((err * fisher).mean()) * gains[_layer_index(m)]
     plan = into if into is not None else AutoPlan(target_bits, {}, {})
-    plan.options, plan.weights, plan.gains, plan.head_dtype = options, weights, gains, opts.head_dtype
+    plan.options, plan.weights, plan.gains = options, weights, gains
     plan.sample_tokens, plan.reference = int(reference.shape[0]), reference
     plan.reallocate(target_bits)
     plan.seconds = time.perf_counter() - t0
@@ -422,7 +421,7 @@ class _DepthProbes:
 
     def __init__(self, model: CausalLM, sample: torch.Tensor, opts: SearchOptions, load: Callable[[str], None],
                  release: Callable[[str], None]) -> None:
-        self.model, self.load, self.release = model, load, release
+        self.model = model
         windows = sample[: max(1, PROBE_TOKENS // sample.shape[1])]
         load("embed_tokens")
         self.ref = embed_batches(model, windows, windows.shape[0], opts.forward_dtype)[0]
@@ -462,10 +461,11 @@ class _DepthProbes:
 
 @torch.no_grad()
 def measured_kl(model: CausalLM, plan: AutoPlan, final: torch.Tensor, load: Callable[[str], None],
-                release: Callable[[str], None]) -> float:
-    """Mean KL(unquantized ‖ quantized) per token on the sample, from the two final residual streams."""
+                release: Callable[[str], None], head_dtype: torch.dtype | None = None) -> float:
+    """Mean KL(unquantized ‖ quantized) per token on the sample, from the two final residual streams (an untied
+    head held in `head_dtype`, as the search holds it)."""
     assert plan.reference is not None
-    with HeadAccess(model, load, release, plan.head_dtype).loaded():
+    with HeadAccess(model, load, release, head_dtype).loaded():
         kl = mean_kl(model, plan.reference, final.float(), plan.head_scheme())
     if not math.isfinite(kl):
         raise LlmoptError("the quantized model's KL on the calibration sample is not finite")

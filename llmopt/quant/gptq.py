@@ -259,13 +259,12 @@ def gptq_quantize(
     if w.dim() != 2:
         raise LlmoptError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
     out, cols = w.shape
-    if isinstance(H, GPTQFactor):
-        if (H.damp, H.act_order) != (damp, act_order):
-            raise LlmoptError(f"the GPTQ factor was made with damp={H.damp:g}, act_order={H.act_order}; "
-                              f"this call asks for damp={damp:g}, act_order={act_order}")
-    elif tuple((H[0] if isinstance(H, list) else H).shape) != (cols, cols):
-        raise LlmoptError(f"Hessian shape {tuple((H[0] if isinstance(H, list) else H).shape)} does not match "
-                          f"in_features {cols}")
+    shape = tuple((H.hinv if isinstance(H, GPTQFactor) else H[0] if isinstance(H, list) else H).shape)
+    if shape != (cols, cols):
+        raise LlmoptError(f"Hessian shape {shape} does not match in_features {cols}")
+    if isinstance(H, GPTQFactor) and (H.damp, H.act_order) != (damp, act_order):
+        raise LlmoptError(f"the GPTQ factor was made with damp={H.damp:g}, act_order={H.act_order}; "
+                          f"this call asks for damp={damp:g}, act_order={act_order}")
     scheme.check_in_features(cols)
     gs = scheme.effective_group_size(cols)
     n_groups = cols // gs
@@ -275,8 +274,6 @@ def gptq_quantize(
     W = w.detach().to(torch.float32).clone()
     factor = H if isinstance(H, GPTQFactor) else gptq_factor(H, damp, act_order, device)
     del H
-    if tuple(factor.hinv.shape) != (cols, cols):
-        raise LlmoptError(f"Hessian shape {tuple(factor.hinv.shape)} does not match in_features {cols}")
     W[:, factor.dead] = 0
     hdiag, perm, Hinv = factor.hdiag, factor.perm, factor.hinv
     sigma2 = 2 * W.pow(2).mean(1)  # each row's, from the weights before any error feedback

@@ -92,9 +92,8 @@ def _times_head(model: CausalLM, grad: torch.Tensor) -> torch.Tensor:
 
 
 def head_product(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    """The model's float32 logits of `hidden` [T, d] (norm applied), its head loaded."""
-    if not _held(model, hidden):
-        return model.compute_logits(hidden)
+    """The model's float32 logits of `hidden` [T, d] (norm applied), its head loaded: `compute_logits`'s, the
+    head's product taken as `raw_logits` takes it."""
     return model.finish_logits(raw_logits(model, hidden))
 
 

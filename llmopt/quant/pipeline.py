@@ -172,11 +172,11 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
         load_s += time.perf_counter() - t
 
     search_s = None
+    head_dtype = _head_dtype(model, checkpoint) if cfg.scheme == AUTO else None
     if cfg.scheme == AUTO:
         assert windows is not None and cfg.target_bits is not None
         if plan is None or not plan.options:
-            plan = _search(cfg, model, targets, windows, load, console, into=plan,
-                           head_dtype=_head_dtype(model, checkpoint))
+            plan = _search(cfg, model, targets, windows, load, console, into=plan, head_dtype=head_dtype)
             search_s = plan.seconds
         else:
             plan.reallocate(cfg.target_bits)
@@ -212,7 +212,8 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
         notes = notes + result.notes
         if plan is not None:
             assert result.final_stream is not None
-            plan.measured_kl = measured_kl(model, plan, result.final_stream, load, lambda p: release(model, p))
+            plan.measured_kl = measured_kl(model, plan, result.final_stream, load, lambda p: release(model, p),
+                                           head_dtype)
         kv = None
         if cfg.kv_cache is not None:
             assert result.k_absmax is not None and result.v_absmax is not None
