@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmopt.models.base import CausalLM
-from llmopt.quant.qtensor import row_blocks
+from llmopt.quant.qtensor import QuantizedWeight, row_blocks
 from llmopt.quant.recipe import ModuleScheme
 from llmopt.quant.rtn import rtn_quantize
 
@@ -58,7 +58,11 @@ class HeadAccess:
                 model.lm_head.weight = kept
 
 
-def _widened_blocks(weight: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+def _widened_blocks(weight: torch.Tensor | QuantizedWeight) -> Iterator[tuple[slice, torch.Tensor]]:
+    if isinstance(weight, QuantizedWeight):
+        for rows in row_blocks(weight.out_features, weight.in_features):
+            yield rows, weight.dequantize_rows(rows)
+        return
     for rows in row_blocks(*weight.shape):
         yield rows, weight[rows].float()
 
@@ -69,13 +73,15 @@ def _held(model: CausalLM, x: torch.Tensor) -> bool:
     return model.lm_head.weight.dtype != x.dtype
 
 
-def raw_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    """The head's product of `hidden` [T, d] (norm applied) in float32, before the family's `finish_logits`."""
+def raw_logits(model: CausalLM, hidden: torch.Tensor, rounded: QuantizedWeight | None = None) -> torch.Tensor:
+    """The head's product of `hidden` [T, d] (norm applied) in float32, before the family's `finish_logits`;
+    with the head's codes `rounded` in place of its weight if given (widened a block of rows at a time: a float32
+    copy of an 8B model's rounded head is 2.1 GB)."""
     head = model.lm_head
-    if not _held(model, hidden):
+    if rounded is None and not _held(model, hidden):
         return head(hidden).float()
     out = hidden.new_empty(hidden.shape[0], head.weight.shape[0], dtype=torch.float32)
-    for rows, w in _widened_blocks(head.weight):
+    for rows, w in _widened_blocks(head.weight if rounded is None else rounded):
         out[:, rows] = hidden.float() @ w.t()
     return out if getattr(head, "bias", None) is None else out.add_(head.bias.float())
 
@@ -91,16 +97,16 @@ def _times_head(model: CausalLM, grad: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def head_product(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+def head_product(model: CausalLM, hidden: torch.Tensor, rounded: QuantizedWeight | None = None) -> torch.Tensor:
     """The model's float32 logits of `hidden` [T, d] (norm applied), its head loaded: `compute_logits`'s, the
     head's product taken as `raw_logits` takes it."""
-    return model.finish_logits(raw_logits(model, hidden))
+    return model.finish_logits(raw_logits(model, hidden, rounded))
 
 
-def log_probs(model: CausalLM, stream: torch.Tensor) -> torch.Tensor:
-    """log p(· | stream_t) for each row of a final residual stream [T, d]."""
+def log_probs(model: CausalLM, stream: torch.Tensor, rounded: QuantizedWeight | None = None) -> torch.Tensor:
+    """log p(· | stream_t) for each row of a final residual stream [T, d] (the head `rounded` if given)."""
     h = model.norm(stream.to(model.norm.weight.dtype))
-    return F.log_softmax(head_product(model, h).float(), dim=-1)
+    return F.log_softmax(head_product(model, h, rounded).float(), dim=-1)
 
 
 @torch.no_grad()
@@ -140,21 +146,13 @@ def fisher_trace(model: CausalLM, stream: torch.Tensor) -> torch.Tensor:
 def mean_kl(model: CausalLM, reference: torch.Tensor, stream: torch.Tensor,
             head: ModuleScheme | None = None) -> float:
     """Mean KL(p ‖ q) per token between the next-token distributions of two final residual streams (the
-    final norm and head loaded); q's head rounded to `head` (by RTN, as the export rounds it) if given."""
-    weight = model.lm_head.weight
-    kept = weight.data
-    # float32 whatever the head is held in: int8 codes times their scales need more bits than bf16 keeps (the
-    # KL of an int8 head came out 9% off in bf16)
-    rounded = None if head is None else rtn_quantize(kept, head.weights).dequantize(torch.float32)
+    final norm and head loaded); q's head rounded to `head` (by RTN, as the export rounds it) if given, its codes
+    widened to float32 a block at a time whatever the head is held in (int8 codes times their scales need more
+    bits than bf16 keeps: the KL of an int8 head came out 9% off in bf16)."""
+    rounded = None if head is None else rtn_quantize(model.lm_head.weight.data, head.weights)
     total = 0.0
-    try:
-        for lo in range(0, reference.shape[0], CHUNK):
-            p = log_probs(model, reference[lo:lo + CHUNK])
-            if rounded is not None:
-                weight.data = rounded
-            q = log_probs(model, stream[lo:lo + CHUNK])
-            weight.data = kept
-            total += float((p.exp() * (p - q)).sum())
-    finally:
-        weight.data = kept
+    for lo in range(0, reference.shape[0], CHUNK):
+        p = log_probs(model, reference[lo:lo + CHUNK])
+        q = log_probs(model, stream[lo:lo + CHUNK], rounded)
+        total += float((p.exp() * (p - q)).sum())
     return total / reference.shape[0]

@@ -19,6 +19,7 @@ fp8 (`scheme.kind == "fp8"`): `q` holds float8_e4m3fn values, `scale` is [out, 1
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,15 +112,27 @@ class QuantizedWeight:
         of rows, so the float32 temporaries stay small beside the result (whole, they were five times an
         8B down_proj's float32 weight)."""
         out = torch.empty(self.q.shape, dtype=dtype, device=self.q.device)
-        idx = self.g_idx.long()
-        zero = None if self.scheme.kind == "fp8" else self.zero_points()
         for rows in row_blocks(self.out_features, self.in_features):
-            scale = self.scale[rows].float()[:, idx]
-            if zero is None:
-                out[rows] = self.q[rows].float() * scale
-            else:
-                out[rows] = (self.q[rows].to(torch.int32) - zero[rows][:, idx]).float() * scale
+            out[rows] = self.dequantize_rows(rows)
         return out
+
+    def dequantize_rows(self, rows: slice) -> torch.Tensor:
+        """Rows `rows` of the float32 weight: what a consumer that goes by blocks of rows widens at a time."""
+        idx = self.g_idx.long()
+        scale = self.scale[rows].float()[:, idx]
+        if self.scheme.kind == "fp8":
+            return self.q[rows].float() * scale
+        zero = self.scheme.sym_zero if self.zero is None else self.zero[rows].to(torch.int32)[:, idx]
+        return (self.q[rows].to(torch.int32) - zero).float() * scale
+
+    def relative_error(self, w: torch.Tensor) -> float:
+        """‖dequantized − w‖ / ‖w‖ over the whole weight (`w` in any float dtype), a block of rows at a time."""
+        err = norm = 0.0
+        for rows in row_blocks(self.out_features, self.in_features):
+            wr = w[rows].float()
+            err += float((self.dequantize_rows(rows) - wr).pow(2).sum())
+            norm += float(wr.pow(2).sum())
+        return math.sqrt(err) / max(math.sqrt(norm), 1e-12)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(

@@ -9,7 +9,7 @@ import torch
 from llmopt.models.loader import build_empty, fill_module, release
 from llmopt.models.reader import CheckpointTensors
 from llmopt.models.resolve import resolve_model, weights_dir
-from llmopt.quant.head_kl import HeadAccess, fisher_trace, head_product, mean_kl
+from llmopt.quant.head_kl import HeadAccess, fisher_trace, head_product, log_probs, mean_kl
 from llmopt.quant.recipe import HEAD_SCHEMES
 from llmopt.testing.tiny_model import write_tiny_gemma3, write_tiny_llama
 
@@ -137,3 +137,36 @@ def test_the_fisher_trace_is_autograds(family, tmp_path):
         expected = _fisher_by_autograd(model, stream)
     assert bool((expected > 0).all())
     assert (~torch.isclose(got, expected, rtol=1e-4)).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("held", [None, torch.bfloat16])
+def test_a_rounded_heads_kl_widens_its_codes_a_block_at_a_time(bf16_untied, monkeypatch, held):
+    """`--lm-head auto`'s candidates: the KL of the head rounded as the export rounds it is the one its float32
+    dequantized copy swapped into the model gives (the search's way before), without that copy (2.1 GB at 8B)."""
+    import llmopt.quant.qtensor as qtensor
+    from llmopt.quant.rtn import rtn_quantize
+    from llmopt.testing.live_bytes import LiveTensorBytes
+
+    monkeypatch.setattr(qtensor, "BLOCK_ELEMENTS", 1 << 12)  # blocks of 16 rows of this head
+    model, _, load, rel = _streamed(bf16_untied)
+    torch.manual_seed(2)
+    reference = torch.randn(8, 256)
+    out = {}
+    with HeadAccess(model, load, rel, held).loaded():
+        weight = model.lm_head.weight
+        kept = weight.data
+        for name in ("int8", "int4"):
+            with LiveTensorBytes() as m:
+                got = mean_kl(model, reference, reference, HEAD_SCHEMES[name])
+            p = log_probs(model, reference)
+            weight.data = rtn_quantize(kept, HEAD_SCHEMES[name].weights).dequantize(torch.float32)
+            q = log_probs(model, reference)
+            weight.data = kept
+            out[name] = (got, float((p.exp() * (p - q)).sum(-1).mean()), m.peak)
+    head_f32, held_bytes = kept.numel() * 4, kept.numel() * kept.element_size()
+    for name, (got, expected, peak) in out.items():
+        assert got == pytest.approx(expected, rel=1e-3) and got > 0, name
+        # beyond the head itself: its codes and a block's temporaries (0.50-0.53 of the float32 head here),
+        # where the float32 copy made it 1.37
+        assert peak <= held_bytes + 0.7 * head_f32, (name, peak, held_bytes, head_f32)
+    assert out["int4"][0] > out["int8"][0]

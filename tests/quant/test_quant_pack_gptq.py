@@ -29,6 +29,36 @@ def test_lsb_first_packing_by_hand():
     assert col.shape == (1, 1) and col.item() == 0x76543210
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_packing_by_blocks_of_rows_is_the_word_by_word_packing(bits, dim, monkeypatch):
+    """`pack_int32` / `unpack_int32` go a block of rows at a time (an 8B int4 head's int64 arithmetic was 4.2 GB
+    taken whole): the words of plain shifts, a short last word padded, and allocations a fraction of the codes'
+    int64 widening."""
+    import llmopt.quant.qtensor as qtensor
+    from llmopt.testing.live_bytes import LiveTensorBytes
+
+    monkeypatch.setattr(qtensor, "BLOCK_ELEMENTS", 1 << 10)
+    per = 32 // bits
+    torch.manual_seed(0)
+    codes = torch.randint(0, 1 << bits, (203, 517), dtype=torch.uint8)  # neither dimension a multiple of per
+    c = codes.t() if dim == 0 else codes
+    words = -(-c.shape[1] // per)
+    expected = torch.zeros(c.shape[0], words, dtype=torch.int64)
+    for j in range(per):
+        part = c[:, j::per].to(torch.int64) << (bits * j)
+        expected[:, : part.shape[1]] |= part
+    expected = torch.where(expected >= 2**31, expected - 2**32, expected).to(torch.int32)
+    with LiveTensorBytes() as packing:
+        packed = pack_int32(codes, bits, dim=dim)
+    assert torch.equal(packed, expected.t() if dim == 0 else expected)
+    with LiveTensorBytes() as unpacking:
+        back = unpack_int32(packed, bits, dim=dim, count=codes.shape[dim])
+    assert torch.equal(back, codes)
+    widened = codes.numel() * 8  # the int64 copy of the codes, the smallest whole-tensor temporary before
+    assert packing.peak < widened and unpacking.peak < widened, (packing.peak, unpacking.peak, widened)
+
+
 def _reference_dequant_gptq(t: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
     """Dequantize GPTQ tensors the way the AutoGPTQ/exllama readers do, with plain shifts."""
     per = 32 // bits
