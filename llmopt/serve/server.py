@@ -10,6 +10,7 @@ exits 0 after a drain: uvicorn's habit of re-raising the signal afterwards is no
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from types import FrameType
@@ -33,6 +34,25 @@ def bind_warning(host: str, api_keys: list[str]) -> str | None:
         return (f"listening on all interfaces ({host or '*'}) without --api-key: anyone who can reach this "
                 "port can use the model; add --api-key or bind 127.0.0.1")
     return None
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn to serve on (port 0: any free one). Bound before the engine is built, so
+    an address in use or a host that does not resolve is one line and exit 2 at once; uvicorn's own bind
+    failure calls sys.exit while the engine's thread runs, and the process aborted."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise LlmoptError(f"cannot listen on {host}:{port}: {e}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise LlmoptError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -104,7 +124,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, model_name: st
     warning = bind_warning(config.host, config.api_keys)
     if warning:
         log.warning(warning)
-    server = make_server(engine_config, config, name)
-    server.run()
+    sock = listen_socket(config.host, config.port)
+    try:
+        server = make_server(engine_config, config, name)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if server.state.fatal is not None:
         raise LlmoptError(f"the engine failed to start: {server.state.fatal}")

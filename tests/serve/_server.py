@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import httpx
 
 from llmopt.engine.config import EngineConfig
 from llmopt.serve.config import ServerConfig
-from llmopt.serve.server import DrainingServer, make_server
+from llmopt.serve.server import DrainingServer, listen_socket, make_server
 
 MODEL_NAME = "tiny"
 
@@ -55,9 +54,7 @@ def engine_config(model_dir: Path | None, **kw) -> EngineConfig:
 
 @contextlib.contextmanager
 def serve(model_dir: Path | None, engine_kw: dict | None = None, wait_ready: bool = True, **server_kw) -> Iterator[RunningServer]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     cfg = ServerConfig(host="127.0.0.1", port=port, log_level="warning",
                        **{"served_model_name": MODEL_NAME, **server_kw})

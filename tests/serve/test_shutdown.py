@@ -115,6 +115,32 @@ def test_an_engine_that_cannot_start_stops_the_server_with_exit_2(tiny_llama, mo
     assert err[-1].startswith("error: the engine failed to start") and "too small" in err[-1]
 
 
+@pytest.mark.parametrize("where", ["in use", "no such host"])
+def test_an_address_it_cannot_listen_on_is_one_line_and_exit_2(where, tiny_llama, monkeypatch, capsys):
+    """Bound before the engine is built: uvicorn's own bind failure exited while the engine's thread ran, and
+    the process aborted (exit 134)."""
+    import socket
+
+    from llmopt.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    host, port = ("127.0.0.1", taken.getsockname()[1]) if where == "in use" else ("999.1.1.1", 8000)
+    built = []
+    monkeypatch.setattr("llmopt.serve.server.make_server", lambda *a: built.append(a))
+    monkeypatch.setattr(sys, "argv", ["llmopt", "serve", str(tiny_llama), "--host", host, "--port", str(port),
+                                      "--device", "cpu", "--log-level", "critical"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        taken.close()
+    assert e.value.code == 2 and not built
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot listen on {host}:{port}"), err
+
+
 def test_a_stopped_server_gives_its_engine_back(tiny_llama):
     """The recipe's serve smoke runs a server in-process and then the bench stage loads its own engine: once
     the server has stopped, nothing may keep the first engine (its weights and KV pool) alive."""

@@ -10,7 +10,6 @@ stage, and the bench stage still measures the engine in-process.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -51,14 +50,12 @@ class ServeStage(Stage):
         try:
             import httpx
 
-            from llmopt.serve.server import make_server
+            from llmopt.serve.server import listen_socket, make_server
         except ImportError as e:
             raise LlmoptError(f"serve.smoke needs the serve extra ({e.name} is missing): "
                               "pip install -e '.[serve,bench]'") from None
         model = ctx.candidate_model()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock = listen_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]
         cfg = server_config(ctx.rr, host="127.0.0.1", port=port, log_level="warning")
         name = cfg.served_model_name or "recipe-model"
