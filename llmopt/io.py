@@ -89,6 +89,38 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
+def unwritable(path: str | Path, error: OSError) -> str:
+    """Why `path` (a file or folder to create) cannot be: a file where a folder above it should be, or the
+    system's reason."""
+    for above in Path(path).parents:
+        if above.exists():
+            return str(error.strerror or error) if above.is_dir() else f"{above} is a file, not a folder"
+    return str(error.strerror or error)
+
+
+def check_output_file(path: str | Path, flag: str, *, new_folders: bool = True) -> Path:
+    """Refuse, before any work, a path a file cannot be written to, in one line (exit 2): a folder, a parent
+    that is a file, or a folder this process cannot create files in (probed with a temp file, which also
+    catches what permission bits do not, such as /proc). Missing parent folders are made, as `atomic_write`
+    makes them, unless `new_folders` is off (then a typo in a path is not a new folder)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise LlmoptError(f"{flag} {path}: is a folder; give a file name")
+    if not p.parent.is_dir():
+        if p.parent.exists():
+            raise LlmoptError(f"{flag} {path}: {p.parent} is not a folder")
+        if not new_folders:
+            raise LlmoptError(f"{flag} {path}: folder {p.parent} does not exist")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise LlmoptError(f"{flag} {path}: cannot write there ({unwritable(p, e)})") from None
+    return p
+
+
 # ----------------------------------------------------------------------------------------- directories
 
 
@@ -99,6 +131,11 @@ def check_output_dir(final: str | Path, overwrite: bool) -> None:
         raise LlmoptError(f"{final} already exists; pass --overwrite to replace it")
     if final.exists() and not final.is_dir():
         raise LlmoptError(f"{final} exists and is not a directory")
+    try:  # where the temp directory will go: made now, and probed
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{final.name}.probe-", dir=final.parent))
+    except OSError as e:
+        raise LlmoptError(f"cannot write {final}: {unwritable(final, e)}") from None
 
 
 def _fsync_tree(root: Path) -> None:

@@ -30,6 +30,7 @@ from llmopt.engine.config import EngineConfig, parse_threads
 from llmopt.engine.threads import COMMAND_DEFAULT
 from llmopt.errors import LlmoptError
 from llmopt.gates import Gate
+from llmopt.io import check_output_file
 from llmopt.report.html import check_html_path
 
 DEFAULT_NUM_PROMPTS = 100
@@ -167,9 +168,9 @@ class BenchOptions(BaseModel):
             rounds=rounds,
             ab=ab,
             ab_gates=gates if ab is not None else [],
-            json_path=self.json_path,
-            markdown_path=self.markdown_path,
-            plot_path=self._plot_path(),
+            json_path=self._output("--json", self.json_path),
+            markdown_path=self._output("--markdown", self.markdown_path),
+            plot_path=self._output("--plot", self._plot_path()),
             html_path=str(check_html_path(self.html_path)) if self.html_path is not None else None,
             progress=self.progress,
         )
@@ -370,6 +371,11 @@ class BenchOptions(BaseModel):
         return [LoadPattern(seed=self.seed)], None
 
     # ------------------------------------------------------------------------------------- output
+
+    @staticmethod
+    def _output(flag: str, path: str | None) -> str | None:
+        """A file the results go to, checked before anything runs (`io.check_output_file`)."""
+        return None if path is None else str(check_output_file(path, flag))
 
     def _plot_path(self) -> str | None:
         if self.plot_path is not None and not self.plot_path.lower().endswith(".png"):

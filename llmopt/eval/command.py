@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from llmopt.errors import GateFailed
 from llmopt.eval.compare import EvalReport, run_eval
 from llmopt.eval.options import EvalOptions
-from llmopt.eval.report import render_json, render_markdown, render_table, write_atomic
+from llmopt.eval.report import check_report_path, render_json, render_markdown, render_table, write_atomic
 from llmopt.gates import failure_message
 from llmopt.report.html import check_html_path, write_html
 
@@ -26,6 +26,8 @@ def eval_command(opts: EvalOptions, as_json: bool = False, console: Console | No
     err_console = err_console or Console(stderr=True)
     if opts.html is not None:
         check_html_path(opts.html)  # a bad path is exit 2 before any model loads
+    if opts.report is not None:
+        check_report_path(opts.report)
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True,
                   disable=not err_console.is_terminal) as bar:

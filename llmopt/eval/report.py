@@ -14,9 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from llmopt.errors import LlmoptError
 from llmopt.eval.compare import EvalReport, MetricRow
-from llmopt.io import write_text_atomic
+from llmopt.io import check_output_file, write_text_atomic
 
 # metrics whose value is a fraction shown as a percentage, and those already in points/percent
 _FRACTION = ("acc", "acc_norm", "acc_bytes", "exact_match", "top1_agreement")
@@ -188,12 +187,14 @@ def render_markdown(report: EvalReport) -> str:
     return "\n".join(lines)
 
 
+def check_report_path(path: Path) -> Path:
+    """--report's file: its folder must exist (a typo in --report is not a new folder) and take a file."""
+    return check_output_file(path, "--report", new_folders=False)
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write the report file atomically; its folder must exist (a typo in --report is not a new folder)."""
-    path = path.expanduser()
-    if not path.parent.is_dir():
-        raise LlmoptError(f"cannot write report {path}: folder {path.parent} does not exist")
-    write_text_atomic(path, text)
+    """Write the report file atomically."""
+    write_text_atomic(check_report_path(path), text)
 
 
 def _finite(obj):

@@ -21,7 +21,7 @@ from random import Random
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from llmopt.errors import LlmoptError
 from llmopt.eval.templates import DocRenderer, Field
@@ -81,7 +81,7 @@ class TaskConfig(BaseModel):
     target_delimiter: str = " "
     fewshot_delimiter: str = "\n\n"
     fewshot_config: dict[str, Any] | None = None
-    num_fewshot: int | None = None
+    num_fewshot: NonNegativeInt | None = None
     metric_list: list[MetricSpec] | None = None
     output_type: Literal["multiple_choice", "generate_until"] = "generate_until"
     generation_kwargs: dict[str, Any] | None = None

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.gates import parse_confidence_gates
@@ -91,6 +91,15 @@ def _compile(pattern: str) -> re.Pattern[str]:
         raise ValueError(f"bad regex {pattern!r}: {e}") from None
 
 
+def _bits_budget(v: float | None) -> float | None:
+    """--target-bits (average stored bits per weight) below bf16's 16, where a budget quantizes something; as a
+    bound on the field, so that a recipe's `target_bits` is checked when it is validated."""
+    if v is not None and not v < 16:  # inf too
+        raise ValueError(f"{v:g}: a linear left in bf16 stores 16 bits, so a budget of 16 or more quantizes "
+                         "nothing; give fewer (e.g. 4.5)")
+    return v
+
+
 class QuantizeConfig(BaseModel):
     """Options of `llmopt quantize` (see docs/QUANTIZE.md)."""
 
@@ -98,7 +107,7 @@ class QuantizeConfig(BaseModel):
 
     model: str | None = None
     scheme: Literal["w8a16", "w4a16", "fp8", "w8a8", "auto"]  # a Preset, or auto
-    target_bits: float | None = Field(None, gt=0)  # --scheme auto: average stored bits per weight
+    target_bits: Annotated[float | None, AfterValidator(_bits_budget)] = Field(None, gt=0)  # --scheme auto
     candidates: list[str] = list(AUTO_CANDIDATES)  # --scheme auto: what each linear may become
     auto_tokens: int | None = Field(None, gt=0)  # --scheme auto: calibration tokens the damage is measured on
     gate: list[str] = []  # --scheme auto: eval gates the smallest checkpoint must pass on eval_data

@@ -73,7 +73,8 @@ class QuantReport(BaseModel):
         werrs = [m.weight_rel_err for m in self.modules]
         if errs:
             t.add_row("output error", f"mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f} (relative, calib. inputs)")
-        t.add_row("weight error", f"mean {sum(werrs) / len(werrs):.4f}, max {max(werrs):.4f} (relative)")
+        if werrs:
+            t.add_row("weight error", f"mean {sum(werrs) / len(werrs):.4f}, max {max(werrs):.4f} (relative)")
         if self.head:
             h = self.head
             t.add_row("lm_head", f"{h['module']}: {h['scheme']}, weight error {h['weight_rel_err']:.4f} (relative), "

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from llmopt.errors import LlmoptError
+from llmopt.io import unwritable
 
 LOCK_NAME = ".lock"
 
@@ -20,9 +21,14 @@ LOCK_NAME = ".lock"
 @contextlib.contextmanager
 def run_lock(run_dir: Path) -> Iterator[None]:
     """Hold the run folder's lock for the block; fail at once if another run holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    with open(path, "a+") as f:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")  # noqa: SIM115 (closed by the with below)
+    except OSError as e:
+        why = f"{run_dir} is a file" if run_dir.is_file() else unwritable(run_dir, e)
+        raise LlmoptError(f"cannot use {run_dir} as the run folder: {why}") from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

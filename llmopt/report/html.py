@@ -18,7 +18,7 @@ from pathlib import Path
 from llmopt._version import __version__
 from llmopt.errors import LlmoptError
 from llmopt.gates import ConfidenceGate, GateResult, IntervalGateResult, check_interval_gate
-from llmopt.io import write_text_atomic
+from llmopt.io import check_output_file, write_text_atomic
 
 VERDICTS = ("PASS", "NOT SHOWN", "FAIL")
 
@@ -173,13 +173,7 @@ def render_page(title: str, sections: Sequence[Section], meta: Sequence[str] = (
 
 def check_html_path(path: str | Path, flag: str = "--html") -> Path:
     """Refuse, before any work, a path the page cannot be written to (one line, exit 2)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise LlmoptError(f"{flag} {path}: is a folder; give a file name such as report.html")
-    if not p.parent.is_dir():
-        what = "is not a folder" if p.parent.exists() else "does not exist"
-        raise LlmoptError(f"{flag} {path}: folder {p.parent} {what}")
-    return p
+    return check_output_file(path, flag, new_folders=False)
 
 
 def write_html(path: str | Path, text: str, flag: str = "--html") -> Path:

@@ -143,8 +143,13 @@ def test_compare_prints_ratios(sweep, tiny_llama, tmp_path, monkeypatch, capsys)
     (["--concurrency", "1,2,,x"], "cannot parse concurrency sweep"),
     (["--dataset", "missing.jsonl"], "dataset file missing.jsonl not found"),
     (["--gate", "speed>=1"], "unknown gate metric 'speed'"),
+    # result files are checked before anything runs (they failed after the whole benchmark, with a traceback)
+    (["--json", "afile/b.json"], "--json afile/b.json: afile is not a folder"),
+    (["--markdown", "afile/deeper/b.md"], "afile is a file, not a folder"),
+    (["--plot", "afile/p.png"], "--plot afile/p.png: afile is not a folder"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, closed_port, tmp_path):
+    (tmp_path / "afile").write_text("x")
     args = [a.format(port=closed_port) for a in args]
     p = subprocess.run([sys.executable, "-m", "llmopt", "bench", *args], cwd=tmp_path, env=subprocess_env(),
                        capture_output=True, text=True, timeout=60)

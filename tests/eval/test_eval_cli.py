@@ -69,7 +69,7 @@ def test_compare_gates_and_report(tiny_llama, other_llama, data, tmp_path, monke
 
 @pytest.mark.parametrize("case", ["missing_data", "empty_data", "unknown_field", "bad_template", "bad_gate",
                                   "unmeasured_gate", "bad_model", "corrupt_model", "stride", "harness",
-                                  "lmeval_quantized"])
+                                  "lmeval_quantized", "report_path"])
 def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypatch, capsys):
     model = str(tiny_llama)
     args = ["--ppl-data", str(data)]
@@ -107,10 +107,16 @@ def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypa
         (q / "config.json").write_text(json.dumps(cfg))
         model = str(q)
         args = ["--task", str(write_task(tmp_path)), "--harness", "lm-eval"]
+    elif case == "report_path":  # refused before any model loads (this one does not exist either)
+        (tmp_path / "afile").write_text("x")
+        args += ["--report", str(tmp_path / "afile" / "r.md")]
+        model = str(tmp_path / "no-such-model")
     code, out, err = run_eval_cli(monkeypatch, capsys, model, *args)
     assert code == 2, (out, err)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), err
+    if case == "report_path":
+        assert lines[0].startswith("error: --report") and "afile is not a folder" in lines[0], err
 
 
 def test_confidence_gates_end_to_end(tiny_llama, other_llama, data, tmp_path, monkeypatch, capsys):

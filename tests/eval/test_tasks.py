@@ -109,6 +109,7 @@ def test_metric_definitions():
     ({"metric_list": [{"metric": "f1"}]}, "metric 'f1' is not supported"),
     ({"dataset_path": "hellaswag"}, "field dataset_path"),
     ({"test_split": "validation"}, "split 'validation' is not in data_files"),
+    ({"num_fewshot": -2}, "field num_fewshot: Input should be greater than or equal to 0"),
 ])
 def test_bad_task_files_are_one_line_errors(tmp_path, override, message):
     path = write_task(tmp_path, **override)

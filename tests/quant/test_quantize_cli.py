@@ -53,6 +53,8 @@ def test_quantize_then_generate_from_the_output(tiny_llama, tmp_path):
     (["--scheme", "auto", "--target-bits", "5", "--override", "mlp=w8a16"], "chooses every linear's scheme"),
     (["--scheme", "auto", "--target-bits", "5", "--candidates", "w3a16"], "unknown candidate 'w3a16'"),
     (["--scheme", "auto", "--target-bits", "5"], "--scheme auto needs calibration data"),
+    (["--scheme", "auto", "--target-bits", "16", "--calib-data", str(KB)], "a budget of 16 or more quantizes nothing"),
+    (["--scheme", "auto", "--target-bits", "inf", "--calib-data", str(KB)], "a budget of 16 or more"),
     (["--scheme", "auto", "--target-bits", "4", "--calib-data", str(KB)], "below the cheapest candidates"),
     (["--scheme", "auto", "--target-bits", "5", "--candidates", "w4a16-g48", "--calib-data", str(KB)],
      "add w8a16 or bf16"),
@@ -83,6 +85,15 @@ def test_bad_input_is_one_line_exit_2(tiny_llama, tmp_path, monkeypatch, capsys,
     assert code == 2
     assert msg in err and err.strip().count("\n") == 0 and "Traceback" not in err
     assert not out.exists()
+
+
+def test_an_output_that_cannot_be_made_is_one_line_exit_2_before_any_work(tiny_llama, tmp_path, monkeypatch, capsys):
+    (tmp_path / "afile").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "quantize", str(tiny_llama), "--scheme", "w8a16",
+                           "-o", str(tmp_path / "afile" / "q"))
+    assert code == 2 and err.strip().count("\n") == 0 and "Traceback" not in err
+    assert f"cannot write {tmp_path / 'afile' / 'q'}: {tmp_path / 'afile'} is a file, not a folder" in err
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_threads_hold_for_the_run_and_are_put_back(tiny_llama, tmp_path):

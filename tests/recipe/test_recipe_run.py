@@ -359,3 +359,14 @@ def test_a_recipe_quantizes_to_a_gate_with_scheme_auto(tiny_llama, tmp_path):
     assert metrics["scheme"] == "auto" and 4.5 <= metrics["auto_bits"] <= 8.25
     saved = json.loads((tmp_path / "run" / "quantize" / "quantization_report.json").read_text())
     assert saved["gate_search"]["eval_data"] == str(tmp_path / "r" / "text.txt")
+
+
+@pytest.mark.parametrize("out", ["afile", "afile/run"])
+def test_a_run_folder_that_cannot_be_made_is_one_line_exit_2(out, tmp_path, monkeypatch, capsys):
+    recipe = make_recipe(tmp_path, LLAMA_CONFIG)
+    (tmp_path / "afile").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "run", str(recipe), "--out", str(tmp_path / out),
+                           "--stages", "vram_plan")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot use {tmp_path / out} as the run folder: " in err and "afile is a file" in err
+    assert (tmp_path / "afile").read_text() == "mine"
