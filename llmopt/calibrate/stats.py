@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llmopt.calibrate.forward import InputHook, KVObserver, embed_batches, layer_copy, run_layer
 from llmopt.errors import LlmoptError
 from llmopt.layers.linear import iter_linears
 from llmopt.models.base import CausalLM
+from llmopt.models.reader import unreadable
 from llmopt.quant.observers import (
     ChannelStats,
     EmaObserver,
@@ -89,7 +91,10 @@ class SavedStats:
     def load(cls, path: Path) -> SavedStats:
         if not path.is_file():
             raise LlmoptError(f"{path} is missing; is this a `llmopt calibrate` output directory?")
-        return cls(load_file(str(path)))
+        try:
+            return cls(load_file(str(path)))
+        except (SafetensorError, OSError) as e:
+            raise unreadable(path, e) from None
 
     @property
     def windows(self) -> torch.Tensor:

@@ -10,9 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from llmopt.errors import LlmoptError
 
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def unreadable(path: Path, error: Exception) -> LlmoptError:
+    """One line for a safetensors file that cannot be read (truncated, not safetensors at all)."""
+    return LlmoptError(f"{path} is not a readable safetensors file: {str(error).strip().splitlines()[0]}")
 
 
 class CheckpointTensors:
@@ -21,9 +28,12 @@ class CheckpointTensors:
     def __init__(self, directory: Path) -> None:
         self.where: dict[str, Path] = {}
         for f in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    self.where[k] = f
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    for k in st.keys():
+                        self.where[k] = f
+            except (SafetensorError, OSError) as e:
+                raise unreadable(f, e) from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.where

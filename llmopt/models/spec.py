@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmopt.errors import LlmoptError
 from llmopt.models import registry
@@ -55,7 +55,20 @@ class ModelSpec(BaseModel):
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
-        """Normalize a transformers config dict. Accepts transformers 4.x and 5.x rope layouts."""
+        """Normalize a transformers config dict. Accepts transformers 4.x and 5.x rope layouts. A value of the
+        wrong type or out of range is one LlmoptError (it was a traceback from wherever it was first used)."""
+        try:
+            return cls._from_hf_config(cfg)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise LlmoptError(f"config.json has a value llmopt cannot read: {where}: {first.get('msg')}") from None
+        except (ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LlmoptError(f"config.json has a value llmopt cannot read: {why}") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         cfg = _text_config(cfg)
         entry = registry.lookup(cfg)
         model_type = str(cfg.get("model_type") or entry.model_type)
@@ -64,6 +77,9 @@ class ModelSpec(BaseModel):
             hidden, heads, layers, inter, vocab = (int(cfg[k]) for k in required)
         except KeyError as e:
             raise LlmoptError(f"config.json lacks required key {e.args[0]!r}") from None
+        for key, value in zip(required, (hidden, heads, layers, inter, vocab), strict=True):
+            if value <= 0:
+                raise LlmoptError(f"config.json: {key} must be positive, got {value}")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if heads % kv_heads:

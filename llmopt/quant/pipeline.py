@@ -55,10 +55,9 @@ def _calibration(cfg: QuantizeConfig, resolved, directory: Path, tokenizer,
 
 
 def _check_data_given(cfg: QuantizeConfig) -> None:
-    if cfg.needs_data and cfg.calib is None and not cfg.calib_data:
-        why = ("--scheme auto" if cfg.scheme == AUTO else "GPTQ/AWQ" if cfg.method != "rtn"
-               else "SmoothQuant (w8a8)" if cfg.scheme == "w8a8" else "KV-cache scales")
-        raise LlmoptError(f"{why} needs calibration data: pass --calib DIR (from `llmopt calibrate`) or "
+    need = cfg.data_need()
+    if need is not None and cfg.calib is None and not cfg.calib_data:
+        raise LlmoptError(f"{need[0]} needs calibration data: pass --calib DIR (from `llmopt calibrate`) or "
                           "--calib-data PATH")
 
 

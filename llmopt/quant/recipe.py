@@ -212,6 +212,9 @@ class QuantizeConfig(BaseModel):
                                  "--format compressed-tensors")
             if self.override:
                 raise ValueError("--scheme auto chooses every linear's scheme; use --ignore to keep one float")
+            if self.group_size is not None:
+                raise ValueError("--scheme auto chooses each linear's group size among --candidates (e.g. "
+                                 "w4a16-g32); --group-size applies to a fixed scheme")
             for name in self.candidates:
                 candidate_scheme(name, self.symmetric)
         elif self.method == AUTO:
@@ -224,6 +227,9 @@ class QuantizeConfig(BaseModel):
                              "otherwise")
         if self.group_size is not None and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
+        if self.scheme == "fp8" and not self.symmetric:
+            raise ValueError("fp8 weights are symmetric (a float format has no zero point); --asym applies to "
+                             "int schemes")
         if self.scheme == "fp8" and self.method != "rtn":
             raise ValueError("fp8 weights are quantized by rounding (--method rtn); gptq/awq are int methods")
         if self.scheme == "w8a8" and self.method == "awq":
@@ -260,8 +266,21 @@ class QuantizeConfig(BaseModel):
     @property
     def needs_data(self) -> bool:
         """GPTQ, AWQ, SmoothQuant and KV-cache scales all need calibration activations."""
-        return self.method != "rtn" or self.scheme in ("w8a8", AUTO) or self.kv_cache is not None or any(
-            item.rpartition("=")[2] == "w8a8" for item in self.override)
+        return self.data_need() is not None
+
+    def data_need(self) -> tuple[str, str] | None:
+        """What needs calibration activations, and the recipe key that asks for it (None: nothing does)."""
+        if self.scheme == AUTO:
+            return "--scheme auto", "scheme"
+        if self.method != "rtn":
+            return "GPTQ/AWQ", "method"
+        if self.scheme == "w8a8":
+            return "SmoothQuant (w8a8)", "scheme"
+        if any(item.rpartition("=")[2] == "w8a8" for item in self.override):
+            return "SmoothQuant (an --override to w8a8)", "override"
+        if self.kv_cache is not None:
+            return "KV-cache scales", "kv_cache"
+        return None
 
     @property
     def main_preset(self) -> str:

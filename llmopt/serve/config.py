@@ -40,7 +40,7 @@ class ServerConfig(BaseModel):
     semantic_cache: Literal["off", "exact", "similar"] = "off"
     semantic_cache_ttl_s: float = Field(300.0, gt=0)
     semantic_cache_threshold: float = Field(0.95, gt=0, le=1)
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @model_validator(mode="after")
     def _check(self):

@@ -257,16 +257,16 @@ def test_lm_head_auto_puts_the_head_in_the_budget(tiny_llama, tmp_path, monkeypa
     int4, the export writes that head group and our engine runs it; the head's KL is measured, not predicted,
     so with nothing else quantized it is the KL measured on the whole result."""
     options = {"candidates": ["bf16"], "lm_head": "auto", "scheme": "auto", **calib_options()}
-    full, _ = quantize_tiny(monkeypatch, tiny_llama, tmp_path / "full", target_bits=16.0, **options)
-    assert _head_entry(full)["choice"] == "bf16" and full.head is None
-    assert set(_head_entry(full)["options"]) == {"bf16", "int8", "int4"}
-    kl = _head_entry(full)["options"]
-    assert 0 == kl["bf16"] < kl["int8"] < kl["int4"]
+    with pytest.raises(ValueError, match="a budget of 16 or more quantizes nothing"):  # bf16 everywhere
+        QuantizeConfig(model=str(tiny_llama), target_bits=16.0, output=tmp_path / "full", **options)
 
     # the head is 28% of the tiny model's searched weights: 14 bits on average leave it at most int8
     out = tmp_path / "tight"
     report, modules = quantize_tiny(monkeypatch, tiny_llama, out, target_bits=14.0, **options)
     head = _head_entry(report)
+    assert set(head["options"]) == {"bf16", "int8", "int4"}
+    kl = head["options"]
+    assert 0 == kl["bf16"] < kl["int8"] < kl["int4"]
     assert head["choice"] in ("int8", "int4") and report.auto["bits"] <= 14.0 and not modules
     assert report.head["module"] == "model.embed_tokens"
     assert report.deployment["schemes"][-1] == f"head-{head['choice']}-tied"

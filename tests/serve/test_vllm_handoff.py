@@ -106,6 +106,8 @@ def test_cli_bad_model_and_bad_key_priority_are_one_line_errors(tiny_llama, monk
     code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--api-key", "k",
                            "--api-key-priority", "k:3")
     assert code == 2 and "KEY=PRIO" in err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_llama), "--log-level", "loud")
+    assert code == 2 and "invalid log_level" in err and len(err.strip().splitlines()) == 1  # was a traceback
 
 
 def test_cli_kv_cache_scales_bad_value_and_vllm_engine_are_one_line_errors(tiny_llama, monkeypatch, capsys):

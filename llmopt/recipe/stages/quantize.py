@@ -34,11 +34,10 @@ class QuantizeStage(Stage):
         calib = rr.base_dir / ".placeholder-calib" if rr.recipe.calibration is not None else None
         cfg, issues = build(rr, ("quantize",), model_fields(type(s)),
                             lambda: quantize_config(rr, rr.base_dir / ".placeholder", calib))
-        if cfg is not None and cfg.needs_data and calib is None:
-            what = ("scheme: auto" if cfg.scheme == "auto" else "GPTQ/AWQ" if cfg.method != "rtn"
-                    else "SmoothQuant (w8a8)" if cfg.scheme == "w8a8" else "KV-cache scales")
-            key = ("scheme" if cfg.scheme == "auto" else "method" if cfg.method != "rtn"
-                   else "scheme" if cfg.scheme == "w8a8" else "kv_cache")
+        need = None if cfg is None else cfg.data_need()
+        if need is not None and calib is None:
+            what, key = need
+            what = "scheme: auto" if key == "scheme" and cfg.scheme == "auto" else what
             issues.append(rr.issue(("quantize", key), f"{what} needs calibration data: add a `calibration` "
                                    "section to the recipe"))
         return issues
