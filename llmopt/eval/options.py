@@ -44,6 +44,8 @@ class EvalOptions(BaseModel):
             raise ValueError("give --ppl-data and/or at least one --task")
         if self.bisect and (self.baseline is None or self.ppl_data is None):
             raise ValueError("--bisect needs --baseline and --ppl-data")
+        if self.bisect_plot is not None and not self.bisect:
+            raise ValueError("--bisect-plot draws the --bisect table; add --bisect (no plot was written without it)")
         if self.stride is not None and self.stride > self.seq_len:
             raise ValueError(f"--stride {self.stride} must not exceed --seq-len {self.seq_len}")
         return self

@@ -33,7 +33,8 @@ def load_text(path: str | Path) -> str:
     """The text of `path` (.txt, .jsonl or .json with `text` fields); never empty."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise LlmoptError(f"perplexity data {p} does not exist")
+        raise LlmoptError(f"perplexity data {p} " + ("is a folder; give a .txt, .jsonl or .json file" if p.is_dir()
+                                                     else "does not exist"))
     try:
         raw = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

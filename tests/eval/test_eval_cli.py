@@ -69,7 +69,7 @@ def test_compare_gates_and_report(tiny_llama, other_llama, data, tmp_path, monke
 
 @pytest.mark.parametrize("case", ["missing_data", "empty_data", "unknown_field", "bad_template", "bad_gate",
                                   "unmeasured_gate", "bad_model", "corrupt_model", "stride", "harness",
-                                  "lmeval_quantized", "report_path"])
+                                  "lmeval_quantized", "report_path", "bisect_plot"])
 def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypatch, capsys):
     model = str(tiny_llama)
     args = ["--ppl-data", str(data)]
@@ -107,6 +107,8 @@ def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypa
         (q / "config.json").write_text(json.dumps(cfg))
         model = str(q)
         args = ["--task", str(write_task(tmp_path)), "--harness", "lm-eval"]
+    elif case == "bisect_plot":  # without --bisect it was ignored, and no plot written
+        args += ["--bisect-plot", str(tmp_path / "b.png")]
     elif case == "report_path":  # refused before any model loads (this one does not exist either)
         (tmp_path / "afile").write_text("x")
         args += ["--report", str(tmp_path / "afile" / "r.md")]

@@ -133,7 +133,8 @@ def test_load_text_formats(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps([{"text": "x"}, "y"]))
     assert load_text(tmp_path / "c.json") == "x\n\ny"
     (tmp_path / "empty.txt").write_text(" \n")
-    for bad, msg in [("missing.txt", "does not exist"), ("empty.txt", "is empty")]:
+    (tmp_path / "folder").mkdir()
+    for bad, msg in [("missing.txt", "does not exist"), ("empty.txt", "is empty"), ("folder", "is a folder")]:
         with pytest.raises(LlmoptError, match=msg):
             load_text(tmp_path / bad)
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
