@@ -41,10 +41,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
     an address in use or a host that does not resolve is one line and exit 2 at once; uvicorn's own bind
     failure calls sys.exit while the engine's thread runs, and the process aborted."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         raise LlmoptError(f"cannot listen on {host}:{port}: {e}") from None
+    # IPv4 first where a name has both (`localhost` on some systems lists ::1 first; clients try 127.0.0.1)
+    family, kind, proto, _, addr = min(found, key=lambda info: info[0] != socket.AF_INET)
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
