@@ -11,8 +11,8 @@
 2. Runs each stage as its own `python -m llmopt ...` process and samples its /proc status every 20 ms:
    peak RssAnon (anonymous memory: what the process allocated, without the page cache of the mapped
    checkpoint) and peak VmRSS, and its wall time.
-   - quantize: W8A16 RTN, W4A16 RTN g128, W4A16 GPTQ g128 (16 windows of 512 tokens); `w4a16-rtn-head4` (RTN g128
-     with `--lm-head int4`), `--schemes auto-gptq`
+   - quantize: W8A16 RTN, W4A16 RTN g128, W4A16 GPTQ g128 (16 windows of 512 tokens); `w4a16-awq` (AWQ g128, the
+     same windows), `w4a16-rtn-head4` (RTN g128 with `--lm-head int4`), `--schemes auto-gptq`
      (or `auto-rtn`): `--scheme auto --target-bits 4.5 --method gptq` (`rtn`) on the same windows;
    - generate: 64 tokens, greedy, bf16 on the source checkpoint and on each quantized one;
    - eval: perplexity, KL and top-1 of the W8A16 checkpoint against the bf16 model (`--eval-tokens` of
@@ -186,6 +186,7 @@ def main() -> None:
         "w8a16-rtn": ["--scheme", "w8a16"],
         "w4a16-rtn": ["--scheme", "w4a16", "--group-size", "128"],
         "w4a16-gptq": ["--scheme", "w4a16", "--group-size", "128", "--method", "gptq", *calibration],
+        "w4a16-awq": ["--scheme", "w4a16", "--group-size", "128", "--method", "awq", *calibration],
         # the head in int4 groups of 32 too, as llama.cpp's Q4 types quantize theirs: its export and load
         "w4a16-rtn-head4": ["--scheme", "w4a16", "--group-size", "128", "--lm-head", "int4"],
         # each linear's precision chosen under the bits of uniform W4A16 g32 (docs/QUANTIZE.md, "Automatic precision")
