@@ -89,12 +89,12 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
-def unwritable(path: str | Path, error: OSError) -> str:
-    """Why `path` (a file or folder to create) cannot be: a file where a folder above it should be, or the
-    system's reason."""
-    for above in Path(path).parents:
-        if above.exists():
-            return str(error.strerror or error) if above.is_dir() else f"{above} is a file, not a folder"
+def unwritable(folder: str | Path, error: OSError) -> str:
+    """Why files cannot be made in `folder`: a file where it or a folder above it should be, or the system's
+    reason."""
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists():
+            return str(error.strerror or error) if path.is_dir() else f"{path} is a file, not a folder"
     return str(error.strerror or error)
 
 
@@ -117,7 +117,7 @@ def check_output_file(path: str | Path, flag: str, *, new_folders: bool = True) 
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise LlmoptError(f"{flag} {path}: cannot write there ({unwritable(p, e)})") from None
+        raise LlmoptError(f"{flag} {path}: cannot write there ({unwritable(p.parent, e)})") from None
     return p
 
 
@@ -135,7 +135,7 @@ def check_output_dir(final: str | Path, overwrite: bool) -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=f".{final.name}.probe-", dir=final.parent))
     except OSError as e:
-        raise LlmoptError(f"cannot write {final}: {unwritable(final, e)}") from None
+        raise LlmoptError(f"cannot write {final}: {unwritable(final.parent, e)}") from None
 
 
 def _fsync_tree(root: Path) -> None:

@@ -26,8 +26,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         run_dir.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")  # noqa: SIM115 (closed by the with below)
     except OSError as e:
-        why = f"{run_dir} is a file" if run_dir.is_file() else unwritable(run_dir, e)
-        raise LlmoptError(f"cannot use {run_dir} as the run folder: {why}") from None
+        raise LlmoptError(f"cannot use {run_dir} as the run folder: {unwritable(run_dir, e)}") from None
     with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
