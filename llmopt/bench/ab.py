@@ -94,14 +94,16 @@ def _run_offline(cfg: BenchConfig, pattern: LoadPattern, progress: Progress, con
     assert cfg.ab is not None
     engines: list[LLMEngine] = []
     targets: list[OfflineEngineTarget] = []
+    assert cfg.ab.sides[0].engine is not None
+    # one workload, the same requests for both sides, built before any weights load
+    work = materialize(cfg.workload, load_tokenizer(cfg.ab.sides[0].engine.model))
+    console.print(f"[dim]workload: {describe_work(work)}[/]")
     try:
         for side in cfg.ab.sides:
             assert side.engine is not None
             console.print(f"[dim]loading side {side.name}: {side.engine.model or 'the embedded model'} ...[/]")
             engines.append(LLMEngine(side.engine))
             targets.append(OfflineEngineTarget(engines[-1], temperature=cfg.temperature))
-        work = materialize(cfg.workload, engines[0].tokenizer)  # one workload, the same requests for both
-        console.print(f"[dim]workload: {describe_work(work)}[/]")
         for t in targets:
             if not is_conversations(work):
                 t.check_capacity(pattern, "continuous")

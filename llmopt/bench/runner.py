@@ -248,10 +248,10 @@ def _build_workload(cfg: BenchConfig, tokenizer: Any, console: Console, salt: in
 
 def _run_offline(cfg: BenchConfig, console: Console) -> BenchOutcome:
     assert cfg.engine is not None
+    work = _build_workload(cfg, load_tokenizer(cfg.engine.model), console)  # a bad workload fails before the weights load
     engines = _EngineCache(console)
     try:
         engine = engines.get(cfg.engine)
-        work = _build_workload(cfg, engine.tokenizer, console)
         info = engine_target_info(cfg.engine, engine)
         with make_progress(console, cfg.progress) as progress:
             runs, interrupted = _offline_sweep(cfg, engine, work, progress)
@@ -268,14 +268,13 @@ def _run_scenario(cfg: BenchConfig, console: Console) -> BenchOutcome:
     engines = _EngineCache(console)
     results: list[VariantResult] = []
     interrupted = False
+    # one workload for all variants (they share the model), built before any weights load
+    requests = _build_workload(cfg, load_tokenizer(cfg.engine.model), console)
     try:
-        requests: Work | None = None
         with make_progress(console, cfg.progress) as progress:
             for variant in scen.variants:
                 vcfg = _variant_config(cfg.engine, variant.engine_overrides)
                 engine = engines.get(vcfg)
-                if requests is None:  # one workload for all variants, built with the first engine's tokenizer
-                    requests = _build_workload(cfg, engine.tokenizer, console)
                 runs, interrupted = _offline_sweep(cfg, engine, requests, progress, variant.batching,
                                                    variant.name)
                 results.append(VariantResult(name=variant.name, description=variant.description,

@@ -52,3 +52,17 @@ def test_a_config_value_of_the_wrong_kind_is_one_line_exit_2(key, value, message
     code, _, err = run_cli(monkeypatch, capsys, "vram-plan", str(d))
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.parametrize("target", [["--model", "{model}"], ["--ab", "{model}", "--ab", "{model}"]], ids=["model", "ab"])
+def test_in_process_bench_checks_its_workload_before_loading_weights(target, truncated, tmp_path, monkeypatch,
+                                                                      capsys):
+    """A bad --dataset line is named before the engine loads (it loaded the whole model first): with weights
+    that cannot load, the error is still the dataset's."""
+    bad = tmp_path / "w.jsonl"
+    bad.write_text('{"prompt": "hello", "max_tokens": 4}\n{"prompt": "", "max_tokens": 4}\n')
+    args = [a.format(model=truncated) for a in target]
+    code, _, err = run_cli(monkeypatch, capsys, "bench", *args, "--dataset", str(bad), "--no-progress")
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == f'error: {bad}:2: "prompt" is empty', err
