@@ -288,6 +288,8 @@ def check_inputs(opts: EvalOptions) -> tuple[str | None, list[Task], list[Confid
     gates (a caller with minutes of work before its first eval calls this first)."""
     text = load_text(opts.ppl_data) if opts.ppl_data is not None else None
     task_list = [load_task(p) for p in opts.tasks]
+    for task in task_list:  # every scored document's prompt and choices, before any model loads
+        task.requests(opts.limit)
     names = [t.name for t in task_list]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:

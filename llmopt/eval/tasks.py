@@ -134,9 +134,9 @@ class Task:
         same_split = fs_split is not None and fs_split == cfg.test_split
         docs = self.docs[:limit] if limit else self.docs
         out = []
-        for doc in docs:
+        for i, doc in enumerate(docs):
             shots = self._sample(n_shot, doc if same_split else None, sampler, rnd)
-            out.append(self._request(doc, shots))
+            out.append(self._request(i, doc, shots))
         return out
 
     def _sample(self, n: int, eval_doc: dict | None, sampler: str, rnd: Random) -> list[dict]:
@@ -167,7 +167,7 @@ class Task:
             return str(a[0])
         return str(a)
 
-    def _request(self, doc: dict, shots: list[dict]) -> Request:
+    def _request(self, index: int, doc: dict, shots: list[dict]) -> Request:
         cfg, r = self.config, self.renderer
         parts = []
         if self.description is not None:
@@ -187,6 +187,8 @@ class Task:
         gold = r.doc_to_target(doc)
         if self.output_type == "multiple_choice":
             choices = r.doc_to_choice(doc)
+            if not choices:  # nothing to pick from: scoring would take the argmax of nothing
+                raise LlmoptError(f"task {self.name}: document {index} has no choices")
             return Request(doc, context, [cfg.target_delimiter + c for c in choices], choices,
                            _gold_index(self.name, gold, choices))
         if r.choice is not None:

@@ -69,7 +69,7 @@ def test_compare_gates_and_report(tiny_llama, other_llama, data, tmp_path, monke
 
 @pytest.mark.parametrize("case", ["missing_data", "empty_data", "unknown_field", "bad_template", "bad_gate",
                                   "unmeasured_gate", "bad_model", "corrupt_model", "stride", "harness",
-                                  "lmeval_quantized", "report_path", "bisect_plot"])
+                                  "lmeval_quantized", "report_path", "bisect_plot", "no_choices"])
 def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypatch, capsys):
     model = str(tiny_llama)
     args = ["--ppl-data", str(data)]
@@ -113,10 +113,19 @@ def test_bad_input_is_one_line_exit_2(case, tiny_llama, data, tmp_path, monkeypa
         (tmp_path / "afile").write_text("x")
         args += ["--report", str(tmp_path / "afile" / "r.md")]
         model = str(tmp_path / "no-such-model")
+    elif case == "no_choices":  # a later document without choices: found before the model (none here) loads
+        task = write_task(tmp_path)
+        rows = tmp_path / "tiny_mc.jsonl"
+        rows.write_text(rows.read_text() + json.dumps({"context": "c", "question": "q?", "choices": [], "answer": 0})
+                        + "\n")
+        args += ["--task", str(task)]
+        model = str(tmp_path / "no-such-model")
     code, out, err = run_eval_cli(monkeypatch, capsys, model, *args)
     assert code == 2, (out, err)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), err
+    if case == "no_choices":
+        assert lines[0] == "error: task tiny_mc: document 6 has no choices", err
     if case == "report_path":
         assert lines[0].startswith("error: --report") and "afile is not a folder" in lines[0], err
 

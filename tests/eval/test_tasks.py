@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -126,3 +127,15 @@ def test_function_tags_and_includes(tmp_path):
     (tmp_path / "fn.yaml").write_text(f"include: {base.name}\nprocess_docs: !function utils.process\n")
     with pytest.raises(LlmoptError, match="process_docs uses !function"):
         load_task(tmp_path / "fn.yaml")
+
+
+def test_document_without_choices_is_named(tmp_path):
+    """An empty choice list used to reach argmax (a traceback after the model ran); now one line names it."""
+    path = write_task(tmp_path)
+    docs = [json.loads(x) for x in (tmp_path / "tiny_mc.jsonl").read_text().splitlines()]
+    docs[2]["choices"] = []
+    (tmp_path / "tiny_mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    task = load_task(path)
+    assert len(task.requests(limit=2)) == 2  # the documents --limit leaves out are not judged
+    with pytest.raises(LlmoptError, match=r"^task tiny_mc: document 2 has no choices$"):
+        task.requests()

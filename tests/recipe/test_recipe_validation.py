@@ -161,6 +161,18 @@ def test_malformed_recipe(case: Case, recipe_dir: Path, monkeypatch):
     assert case.fragment in line, line
 
 
+def test_task_document_without_choices(recipe_dir: Path):
+    """A later document without choices is found by validation, not by scoring after the model loaded."""
+    (recipe_dir / "mc.jsonl").write_text('{"q": "a?", "c": ["x", "y"], "l": 0}\n{"q": "b?", "c": [], "l": 0}\n')
+    (recipe_dir / "mc.yaml").write_text("task: mc\ndataset_path: json\ndataset_kwargs: {data_files: {test: mc.jsonl}}\n"
+                                        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+                                        "doc_to_target: l\ndoc_to_choice: '{{c}}'\n")
+    with pytest.raises(RecipeInvalid) as info:
+        validate_recipe(write(recipe_dir, sub(str(DATA / "kb_mc.yaml"), "mc.yaml")(BASE)), env={})
+    line = info.value.issues[0].format()
+    assert line.endswith("15: eval.tasks[0]: task mc: document 1 has no choices"), line
+
+
 def test_validation_reports_every_problem(recipe_dir: Path):
     text = sub("  num_samples: 8", "  num_samples: -1")(sub("  scheme: w8a16", "  scheme: w3a16")(BASE))
     with pytest.raises(RecipeInvalid) as info:

@@ -82,7 +82,9 @@ class EvalStage(Stage):
         tasks = []
         for i, t in enumerate(s.tasks):
             try:
-                tasks.append(load_task(rr.file(t, "eval task file")))
+                task = load_task(rr.file(t, "eval task file"))
+                task.requests()  # every document's prompt and choices, as `llmopt eval` checks them
+                tasks.append(task)
             except LlmoptError as e:
                 issues.append(rr.issue(("eval", "tasks", i), str(e)))
         if issues:
