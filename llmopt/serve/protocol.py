@@ -18,7 +18,9 @@ and /detokenize take vLLM's bodies.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+import types
+from functools import cache
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -39,14 +41,42 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
+@cache
+def _null_means_default(cls: type[BaseModel]) -> frozenset[str]:
+    """The keys of `cls`'s optional fields whose type has no null of its own (`n`, `stream`, `echo`...)."""
+    out = set()
+    for name, f in cls.model_fields.items():
+        t = f.annotation
+        nullable = t is None or t is type(None) or (get_origin(t) in (Union, types.UnionType)
+                                                   and type(None) in get_args(t))
+        if not f.is_required() and not nullable:
+            out.add(f.alias or name)
+    return frozenset(out)
+
+
+class _Body(BaseModel):
+    """A request object. OpenAI marks most optional fields nullable and clients send explicit nulls; as in
+    vLLM (whose fields are Optional with a default), a null means the field's default."""
+
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_defaulted_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            keys = _null_means_default(cls)
+            return {k: v for k, v in data.items() if v is not None or k not in keys}
+        return data
+
+
+class StreamOptions(_Body):
     model_config = _STRICT
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Body):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     name: str = Field(..., pattern=NAME_PATTERN)
@@ -55,7 +85,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     model_config = _STRICT
 
     type: Literal["text", "json_object", "json_schema"]
@@ -71,7 +101,7 @@ class ResponseFormat(BaseModel):
 Choice = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(_Body):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
     model_config = _STRICT
@@ -93,7 +123,7 @@ class StructuredOutputsRequest(BaseModel):
         return self
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields shared by both endpoints."""
 
     model_config = _STRICT
@@ -222,21 +252,21 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(BaseModel):
+class TextPart(_Body):
     model_config = _STRICT
 
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(_Body):
     model_config = _STRICT
 
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Body):
     model_config = _STRICT
 
     id: str
@@ -244,7 +274,7 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -295,7 +325,7 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Body):
     model_config = _STRICT
 
     name: str = Field(..., pattern=NAME_PATTERN)
@@ -304,20 +334,20 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None  # accepted: arguments are always constrained by the schema when forced
 
 
-class Tool(BaseModel):
+class Tool(_Body):
     model_config = _STRICT
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Body):
     model_config = _STRICT
 
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Body):
     model_config = _STRICT
 
     type: Literal["function"]
@@ -374,7 +404,7 @@ class ChatCompletionRequest(_Sampling):
         return self.tool_choice or "auto"
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the chat template."""
 
     model_config = _STRICT
@@ -399,7 +429,7 @@ class TokenizeRequest(BaseModel):
         return template_messages(self.messages or [])
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model_config = _STRICT
 
     model: str | None = None

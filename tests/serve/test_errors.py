@@ -228,3 +228,42 @@ def test_an_engine_failure_fails_the_requests_in_flight_but_not_the_server(tiny_
         assert ok.status_code == 200
         assert httpx.get(srv.base_url + "/health").status_code == 200
         assert not srv.state.engine_loop.active and srv.state.admission.waiting == 0
+
+
+CHAT_NULLS = ["n", "stream", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "temperature",
+              "top_p", "max_completion_tokens", "seed", "stop", "user", "logit_bias", "stream_options", "tools",
+              "tool_choice", "response_format", "parallel_tool_calls", "metadata", "store", "service_tier", "top_k",
+              "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "prompt_logprobs", "priority"]
+COMPLETION_NULLS = ["echo", "n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "temperature",
+                    "top_p", "seed", "stop", "user", "logit_bias", "stream_options", "best_of", "suffix",
+                    "response_format"]
+
+
+def test_null_means_the_default(server):
+    """OpenAI marks these fields nullable and vLLM declares them Optional: an explicit null is the default
+    (it was a 400 "Input should be a valid integer/boolean" for n, stream, logprobs, penalties and echo)."""
+    r = post(server, "/chat/completions", {**OK_CHAT, **dict.fromkeys(CHAT_NULLS)})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    r = post(server, "/completions", {**OK_COMPLETION, **dict.fromkeys(COMPLETION_NULLS)})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and not r.json()["choices"][0]["text"].startswith("Hello")  # no echo
+    r = post(server, "/chat/completions", {**OK_CHAT, "stream": True,
+                                           "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    # the openai client sends None as null
+    c = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+    chat = c.chat.completions.create(model=MODEL_NAME, messages=OK_CHAT["messages"], max_tokens=2, n=None,
+                                     stream=None, logprobs=None, presence_penalty=None, frequency_penalty=None,
+                                     temperature=None, seed=None, stop=None, tools=None, tool_choice=None)
+    assert len(chat.choices) == 1 and chat.usage.completion_tokens <= 2
+    comp = c.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, echo=None, n=None, stream=None,
+                                logprobs=None, presence_penalty=None, frequency_penalty=None)
+    assert len(comp.choices) == 1 and comp.choices[0].logprobs is None
+    # a field that is required, or whose null has its own meaning, is not affected
+    assert_openai_error(post(server, "/chat/completions", {**OK_CHAT, "messages": None}), 400, param="messages")
+    assert assert_openai_error(post(server, "/completions", {**OK_COMPLETION, "prompt": None}), 400)["param"] \
+        .startswith("prompt")
+    assert_openai_error(post(server, "/chat/completions", {**OK_CHAT, "messages": [{"role": None, "content": "x"}]}),
+                        400, param="messages.0.role")
