@@ -279,10 +279,11 @@ class ToolCallParser:
                     self.buf = self.buf[k + len(OPEN):]
                     self._call = _Call()
                     continue
-                hold = 0 if final else next((n for n in range(min(len(OPEN) - 1, len(self.buf)), 0, -1)
-                                             if self.buf.endswith(OPEN[:n])), 0)
+                hold = next((n for n in range(min(len(OPEN) - 1, len(self.buf)), 0, -1)
+                             if self.buf.endswith(OPEN[:n])), 0)
                 self._content(self.buf[:len(self.buf) - hold], out)
-                self.buf = self.buf[len(self.buf) - hold:]
+                # at the end, a held-back tag start was a call cut off by max_tokens: never content
+                self.buf = "" if final else self.buf[len(self.buf) - hold:]
                 return out
             k = self.buf.find(CLOSE)
             done = k >= 0 or final
@@ -291,8 +292,9 @@ class ToolCallParser:
                 self._update(call, body, done, out)
             if not done:
                 return out
-            if call.index is None:  # never became a call: its text is content
+            if call.index is None and (call.broken or k >= 0):  # never became a call: its text is content
                 self._content(OPEN + body + (CLOSE if k >= 0 else ""), out)
+            # (a block cut off before its name, as `<tool_call>\n{"na`, is dropped like a cut-off tag)
             self.buf = self.buf[k + len(CLOSE):] if k >= 0 else ""
             self._call = None
 

@@ -91,6 +91,21 @@ def test_required_with_parallel_calls(client):
     assert seen
 
 
+def test_a_call_cut_off_by_max_tokens_leaves_no_tag_text_in_content(client):
+    """A forced response is calls only; one cut off inside a tag or before its name used to return that text
+    (`"<"`, `"<tool_call>\\n{\\"name"`) as content. Every cut, whole and streamed, has none."""
+    kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    full = client.chat.completions.create(**kw, max_tokens=250).choices[0]
+    n = client.chat.completions.create(**kw, max_tokens=250).usage.completion_tokens
+    assert full.message.tool_calls and n > 4
+    for max_tokens in range(1, min(n, 48)):
+        c = client.chat.completions.create(**kw, max_tokens=max_tokens).choices[0]
+        assert not c.message.content, (max_tokens, c.message.content)  # "" before the first call, then null
+        assert c.finish_reason == "length"
+        chunks = list(client.chat.completions.create(**kw, max_tokens=max_tokens, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "", max_tokens
+
+
 def test_named_function_streams_openai_style_deltas_the_client_assembles(client):
     kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, temperature=1.0, seed=3, max_tokens=120,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -257,7 +272,12 @@ PARSE_CASES = [
     ('Sure. <tool_call>\n{"name": "f", "arguments": {"x": [1, {"y": "}]"}]}}\n</tool_call>\n'
      '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
      "Sure.", [("f", '{"x": [1, {"y": "}]"}]}'), ("g", "{}")]),
-    ("no calls, a tag prefix at the end <tool", "no calls, a tag prefix at the end <tool", []),
+    # cut off by max_tokens inside a tag, or before a call's name: never content (it was "<", or the block)
+    ("no calls, a tag prefix at the end <tool", "no calls, a tag prefix at the end", []),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<', None, [("f", "{}")]),
+    ('<tool_call>\n{"name": "now"}\n</tool_call>\n<tool_call>\n{"name', None, [("now", "{}")]),
+    ("Sure. <tool_call>", "Sure.", []),
+    ("<tool_call>not json", "<tool_call>not json", []),  # not a call: content, closed or not
     ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
     ('<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>', None, [("f", '{"x": 1}')]),  # any key order
     ('<tool_call>{"name": "f"}</tool_call>', None, [("f", "{}")]),  # no arguments
