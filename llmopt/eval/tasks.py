@@ -20,6 +20,7 @@ from pathlib import Path
 from random import Random
 from typing import Any, Literal
 
+import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
@@ -59,6 +60,20 @@ class MetricSpec(BaseModel):
     ignore_punctuation: bool = False
     ignore_numbers: bool = False
     regexes_to_ignore: list[str] | None = None
+
+
+class GenerationKwargs(BaseModel):
+    """generation_kwargs' types and ranges, checked when the task loads (the engine would refuse them only
+    after the model loaded, without naming the task). Strict: a quoted "false" must not sample."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    until: str | list[str] = ""
+    max_gen_toks: int = pydantic.Field(DEFAULT_MAX_GEN_TOKS, ge=1)
+    do_sample: bool = False
+    temperature: float = pydantic.Field(1.0, ge=0.0)
+    top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = pydantic.Field(None, ge=-1)
 
 
 class TaskConfig(BaseModel):
@@ -356,6 +371,12 @@ def load_task(path: str | Path) -> Task:
         bad = set(cfg.generation_kwargs) - GENERATION_KWARGS
         if bad:
             raise LlmoptError(f"task file {p}: generation_kwargs.{sorted(bad)[0]} is not supported")
+        try:
+            GenerationKwargs.model_validate(cfg.generation_kwargs)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"][:1])  # the key, not pydantic's union branch
+            raise LlmoptError(f"task file {p}: field generation_kwargs.{loc}: {err['msg']}") from None
     description = Field(name, "description", cfg.description) if cfg.description else None
     task = Task(name, p, cfg, docs, fewshot, renderer, metrics, description)
     task.requests(limit=1)  # render the first document now: a template error stops before any model loads

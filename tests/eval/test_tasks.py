@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import yaml
 from eval_helpers import write_task
 
 from llmopt.errors import LlmoptError
@@ -139,3 +140,23 @@ def test_document_without_choices_is_named(tmp_path):
     assert len(task.requests(limit=2)) == 2  # the documents --limit leaves out are not judged
     with pytest.raises(LlmoptError, match=r"^task tiny_mc: document 2 has no choices$"):
         task.requests()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_gen_toks": 0}, "field generation_kwargs.max_gen_toks: Input should be greater than or equal to 1"),
+    ({"max_gen_toks": "16"}, "field generation_kwargs.max_gen_toks: Input should be a valid integer"),
+    ({"temperature": -1}, "field generation_kwargs.temperature: Input should be greater than or equal to 0"),
+    ({"do_sample": "false"}, "field generation_kwargs.do_sample: Input should be a valid boolean"),
+    ({"top_p": 0}, "field generation_kwargs.top_p: Input should be greater than 0"),
+    ({"until": 5}, "field generation_kwargs.until: Input should be a valid string"),
+    ({"until": ["\n", 3]}, "field generation_kwargs.until: "),
+])
+def test_bad_generation_kwargs_are_named_when_the_task_loads(tmp_path, kwargs, message):
+    """They were refused by the engine after the model loaded, naming neither the task nor the field."""
+    path = write_task(tmp_path, name="g0", generate=True)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["generation_kwargs"].update(kwargs)
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(LlmoptError) as e:
+        load_task(path)
+    assert str(e.value).startswith(f"task file {path}: {message}"), str(e.value)
