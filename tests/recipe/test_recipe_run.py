@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -86,7 +87,9 @@ def full_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
     """One complete run (every stage) through the library; tests copy the run directory to change it."""
     base = tmp_path_factory.mktemp("recipe-run")
     recipe = make_recipe(base, tiny_llama)
-    report = run_recipe(RunRequest(recipe=recipe, out=base / "run"), quiet())
+    console = Console(width=250, file=io.StringIO())
+    report = run_recipe(RunRequest(recipe=recipe, out=base / "run"), console)
+    (base / "console.txt").write_text(console.file.getvalue())
     assert report.exit_code == 0, report.to_json()
     return recipe, base / "run"
 
@@ -133,6 +136,22 @@ def test_full_run_writes_every_artifact(full_run):
     assert yaml.safe_load(resolved.read_text())["calibration"]["num_samples"] == 4
     rr, stages = validate_recipe(resolved, env={})
     assert [s.name for s in stages] == STAGES and rr.recipe.eval.ppl_data == recipe.parent / "text.txt"
+
+
+def test_reports_and_messages_name_the_stage_folders_not_their_temporary_ones(full_run):
+    """Stages write into a temporary folder renamed when they finish; quantization_report.json's `output`,
+    the quantize table and bench's `wrote` lines used to name `.quantize.tmp-…` / `.bench.tmp-…`."""
+    recipe, run_dir = full_run
+    printed = (recipe.parent / "console.txt").read_text()
+    assert f"→ {run_dir / 'quantize'}" in printed
+    for name in ("bench.json", "bench.md", "bench.png"):
+        assert f"wrote {run_dir / 'bench' / name}" in printed
+    report = json.loads((run_dir / "quantize/quantization_report.json").read_text())
+    assert report["output"] == str(run_dir / "quantize")
+    assert ".tmp-" not in printed
+    for p in run_dir.rglob("*"):
+        if p.is_file() and p.suffix in (".json", ".md", ".yaml", ".html"):
+            assert ".tmp-" not in p.read_text(), p
 
 
 def test_unchanged_stages_are_skipped_and_changes_rerun(full_run, tmp_path):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from llmopt.bench.config import BenchConfig, BenchOptions
 from llmopt.errors import LlmoptError
 from llmopt.recipe.issues import Issue
@@ -72,12 +74,18 @@ class BenchStage(Stage):
 
     def run(self, ctx: StageContext, out: Path) -> StageOutcome:
         from llmopt.bench.gate_metrics import RUN_METRICS, gated_run
-        from llmopt.bench.runner import run_bench
+        from llmopt.bench.runner import _write_outputs, run_bench
 
         cfg = bench_config(ctx.rr, ctx.candidate_model(), out)
-        outcome = run_bench(cfg, ctx.console)
+        # the bench writes no files itself, so it does not print `out`, the runner's temporary folder; they are
+        # written here, and named where they will be once the stage succeeds and that folder is renamed
+        outcome = run_bench(cfg.model_copy(update={"json_path": None, "markdown_path": None, "plot_path": None}),
+                            ctx.console)
         if outcome.interrupted:
             raise KeyboardInterrupt
+        _write_outputs(cfg, outcome)
+        for path in outcome.written:
+            ctx.console.print(f"[dim]wrote {escape(str(ctx.run_dir / self.name / Path(path).relative_to(out)))}[/]")
         report = outcome.report if outcome.scenario is None else outcome.scenario.variants[-1].report
         metrics: dict[str, Any] = {}
         if report is not None:

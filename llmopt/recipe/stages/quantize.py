@@ -48,10 +48,15 @@ class QuantizeStage(Stage):
         return {"config": s.model_dump(mode="json")}
 
     def run(self, ctx: StageContext, out: Path) -> StageOutcome:
+        from llmopt.quant.pipeline import REPORT
         from llmopt.tune.gate_search import quantize as run_quantize
 
         cfg = quantize_config(ctx.rr, out, ctx.artifacts.get("calibrate"))
         report = run_quantize(cfg, ctx.console)
+        # `out` is the runner's temporary folder, renamed to the stage's folder when the stage succeeds:
+        # the report records, and the table shows, where the checkpoint will be
+        report.output = str(ctx.run_dir / self.name)
+        report.write(out / REPORT)
         report.render(ctx.console)
         werr = [m.weight_rel_err for m in report.modules]
         oerr = [m.output_rel_err for m in report.modules if m.output_rel_err is not None]
