@@ -300,15 +300,23 @@ def _read_records(file: Path, kind: str) -> list[dict[str, Any]]:
             stripped = raw.lstrip()
             if stripped.startswith("["):
                 rows = json.loads(raw)
-            else:
-                rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            else:  # JSON lines: an error names the file's line (split at \n only, as `datasets` reads them)
+                rows = []
+                for n, line in enumerate(raw.split("\n"), 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise LlmoptError(f"{file}:{n}: invalid JSON ({e.msg}, column {e.colno})") from None
         else:
             import pandas as pd
 
             frame = pd.read_csv(file) if kind == "csv" else pd.read_parquet(file)
             rows = frame.to_dict(orient="records")
     except json.JSONDecodeError as e:
-        raise LlmoptError(f"task data file {file}: invalid JSON ({e.msg}, line {e.lineno})") from None
+        raise LlmoptError(f"{file}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno})") from None
+    except LlmoptError:
+        raise
     except Exception as e:  # pandas/pyarrow parse errors
         raise LlmoptError(f"cannot read task data file {file}: {type(e).__name__}: "
                           f"{' '.join(str(e).split())[:200]}") from None

@@ -160,3 +160,17 @@ def test_bad_generation_kwargs_are_named_when_the_task_loads(tmp_path, kwargs, m
     with pytest.raises(LlmoptError) as e:
         load_task(path)
     assert str(e.value).startswith(f"task file {path}: {message}"), str(e.value)
+
+
+@pytest.mark.parametrize("text, line", [
+    ('{"a": 1}\n\n{"a": 2}\n{"a": 3,}\n', 4),  # JSON lines: the file's line, blank lines counted
+    ('{"a": "x\u2028y"}\n{"a": }\n', 2),  # a line separator inside a string does not end the line
+    ('[{"a": 1},\n {"a": 2},\n {"a": }]\n', 3),  # a JSON array: its own line numbers
+])
+def test_bad_json_names_the_files_line(tmp_path, text, line):
+    """The line used to be the one inside the record (always 1 for JSON lines)."""
+    path = write_task(tmp_path)
+    (tmp_path / "tiny_mc.jsonl").write_text(text, encoding="utf-8")
+    with pytest.raises(LlmoptError) as e:
+        load_task(path)
+    assert str(e.value).startswith(f"{tmp_path / 'tiny_mc.jsonl'}:{line}: invalid JSON ("), str(e.value)
