@@ -182,9 +182,11 @@ class _Sampling(_Body):
         return v
 
     @model_validator(mode="after")
-    def _prompt_logprobs_not_streamed(self):
+    def _stream_only_fields(self):
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true")
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")  # OpenAI's and vLLM's 400
         return self
 
     def token_bias(self) -> dict[int, float] | None:
@@ -282,6 +284,17 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """One line for a part we cannot read, rather than pydantic's error per branch of the union."""
+        for i, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                what = "image" if "image" in kind else repr(kind)
+                raise ValueError(f"{what} content parts are not supported by this server, only text (part {i})")
+        return v
 
     @model_validator(mode="after")
     def _tool_fields(self):

@@ -267,3 +267,32 @@ def test_null_means_the_default(server):
         .startswith("prompt")
     assert_openai_error(post(server, "/chat/completions", {**OK_CHAT, "messages": [{"role": None, "content": "x"}]}),
                         400, param="messages.0.role")
+
+
+@pytest.mark.parametrize("path, body", [("/chat/completions", OK_CHAT), ("/completions", OK_COMPLETION)])
+def test_stream_options_need_stream(server, path, body):
+    """Accepted and ignored before; OpenAI and vLLM refuse them without `stream: true`."""
+    for stream in ({}, {"stream": False}, {"stream": None}):
+        err = assert_openai_error(post(server, path, {**body, **stream, "stream_options": {"include_usage": True}}), 400)
+        assert err["message"] == "Stream options can only be defined when `stream=True`."
+    c = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="stream=True"):
+        c.chat.completions.create(model=MODEL_NAME, messages=OK_CHAT["messages"], max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert post(server, path, {**body, "stream_options": None}).status_code == 200
+
+
+@pytest.mark.parametrize("part, what", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "'input_audio'"),
+])
+def test_non_text_content_parts_are_one_line(server, part, what):
+    """It was pydantic's union message: `messages.0.content.str: Input should be a valid string (and 3 more
+    problems)`; SERVE.md promises a 400 saying the part is not supported."""
+    content = [{"type": "text", "text": "What is this?"}, part]
+    for path, body in (("/chat/completions", OK_CHAT), ("/tokenize", {"model": MODEL_NAME})):
+        r = httpx.post(server.base_url + ("/v1" if path.startswith("/chat") else "") + path,
+                       json={**body, "messages": [{"role": "user", "content": content}]}, timeout=30)
+        err = assert_openai_error(r, 400, param="messages.0.content")
+        assert err["message"] == (f"messages.0.content: {what} content parts are not supported by this server, "
+                                  "only text (part 1)"), err
