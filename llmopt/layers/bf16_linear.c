@@ -59,11 +59,27 @@ enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 // 1.03-1.06x at two (any of 4-32 KB ahead; docs/BENCHMARKS.md, "prefetching into L2")
 #define PF_L2 8192
 
-int bf16_linear_available(void) {
-#ifdef __AVX512BF16__
+// Which passes this build runs: 2 AVX512-BF16 (vdpbf16ps, or float32 FMAs where set), 1 AVX2 (float32 FMAs, below),
+// 0 none (the callers keep their other paths).
+int bf16_linear_isa(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
+#endif
+}
+
+int bf16_linear_available(void) { return bf16_linear_isa() > 0; }
+
+// The rows past which int4 panels are dequantized to bf16 once per work item (off AMX), so a call's products
+// are those of torch's rounded (q - 8) * s and no longer exact: the tests' threshold.
+int bf16_linear_int4_widen_rows(void) {
+#if defined(__AVX512BF16__)
+    return WIDEN_ROWS_INT4;
+#else
+    return 0x7fffffff;  // the AVX2 passes never dequantize
 #endif
 }
 
@@ -407,6 +423,190 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 }
 #endif
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_PASSES
+#include <immintrin.h>
+#include <stdlib.h>
+// The AVX2 passes, for CPUs without AVX512-BF16 (AMD's Zen 2 and 3, Intel cores before Cooper Lake; oneDNN has no
+// bf16 kernels there either): the same panels, every storage multiplied in float32 FMAs on x converted once per
+// call. A pair row of 8 outputs becomes two vectors of 8 float32 weights, those of k and of k + 1, each multiplied
+// by its x broadcast, so a lane is one output and no horizontal sums are needed:
+// bf16: one 32-byte load, a shift (k) and a mask (k + 1), exact; int8: one vpmovsxbw of 16 bytes, then the two
+// halves of each dword sign-extended and converted; int4: 8 bytes by vpmovzxbd, each nibble or-ed into the mantissa
+// of 2^23 and 2^23 + 8 subtracted (q - 8, exact, without a conversion). int4 groups are summed apart and folded in by
+// their scales, as the AVX-512 passes do: every product exact at every row count (no panel is dequantized first).
+#define MT_AVX2 6     // the most rows of a pass: 6 x 2 accumulators over one block of 16 outputs
+
+static inline __m256 bf16x8_to_ps(const uint16_t *p) {  // 8 bf16 as float32, exact
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 bf16x8_to_ps_n(const uint16_t *p, int64_t n) {  // the first n of 8 (zeros past them)
+    if (n >= 8) return bf16x8_to_ps(p);
+    uint16_t t[8] = {0};
+    memcpy(t, p, (size_t)n * sizeof *p);
+    return bf16x8_to_ps(t);
+}
+
+// 8 float32 rounded to bf16 as torch rounds them (to nearest even; a NaN stays NaN), the first n stored at p
+static inline void ps_to_bf16x8_n(uint16_t *p, __m256 v, int64_t n) {
+    const __m256i u = _mm256_castps_si256(v), top = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));  // integer compare: -ffast-math keeps it
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(64)), nan);
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    if (n >= 8) {
+        _mm_storeu_si128((__m128i *)p, w);
+    } else {
+        uint16_t t[8];
+        _mm_storeu_si128((__m128i *)t, w);
+        memcpy(p, t, (size_t)n * sizeof *p);
+    }
+}
+
+// rows x[0..mt) (float32) against nb blocks of 16 outputs of a panel whose pair rows hold vstride blocks (wp at the
+// first block of the pass); `valid` of the pass's outputs are written. int4: groups of `group` inputs folded in by
+// gscale (this pass's first output's scales, gstride bf16 from one group to the next). Inlined with constant mt,
+// nb and storage so the accumulators stay in registers.
+static inline __attribute__((always_inline)) void pass_avx2(const float *x, const int mt, int64_t K, const void *wp,
+                                                            const int storage, const int nb, const int vstride,
+                                                            const uint16_t *scale, const uint16_t *bias, uint16_t *y,
+                                                            int64_t N, int64_t valid, int64_t group,
+                                                            const uint16_t *gscale, int64_t gstride) {
+    __m256 acc[MT_AVX2][8], gacc[MT_AVX2][8];  // [row][2 * block + half]: outputs 16 block + 8 half .. + 8
+    const int grouped = storage == W_INT4;
+    const __m256i magic = _mm256_set1_epi32(0x4B000000);  // 2^23 as float32: q or-ed in is 2^23 + q
+    const __m256 minus = _mm256_set1_ps(8388616.f);        // 2^23 + 8
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 2 * nb; j++) acc[m][j] = _mm256_setzero_ps();
+    const int64_t span = grouped ? group : K;
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += span, g++) {
+        if (grouped)
+            for (int m = 0; m < mt; m++)
+                for (int j = 0; j < 2 * nb; j++) gacc[m][j] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k0 + span; k += 2) {
+            const char *row = storage == W_BF16 ? (const char *)wp + k * vstride * 32
+                            : storage == W_INT8 ? (const char *)wp + k * vstride * 16
+                                                : (const char *)wp + (k / 2) * vstride * 16;
+            _mm_prefetch(row + (storage == W_BF16 ? PF_BF16 : PF_PACKED), _MM_HINT_T0);
+            for (int j = 0; j < 2 * nb; j++) {
+                __m256 lo, hi;  // the 8 outputs' weights at k and at k + 1
+                if (storage == W_BF16) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(row + j * 32));
+                    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+                } else if (storage == W_INT8) {
+                    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j * 16)));
+                    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+                    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+                } else {
+                    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + j * 8)));
+                    lo = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(d, _mm256_set1_epi32(15)),
+                                                                           magic)), minus);
+                    hi = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(d, 4), magic)), minus);
+                }
+                for (int m = 0; m < mt; m++) {
+                    const __m256 xa = _mm256_broadcast_ss(x + m * K + k), xb = _mm256_broadcast_ss(x + m * K + k + 1);
+                    if (grouped) gacc[m][j] = _mm256_fmadd_ps(hi, xb, _mm256_fmadd_ps(lo, xa, gacc[m][j]));
+                    else acc[m][j] = _mm256_fmadd_ps(hi, xb, _mm256_fmadd_ps(lo, xa, acc[m][j]));
+                }
+            }
+        }
+        if (grouped) {  // the end of a group: fold its sums in by its scales
+            const uint16_t *gs = gscale + g * gstride;
+            for (int j = 0; j < 2 * nb; j++) {
+                const __m256 sv = bf16x8_to_ps(gs + j * 8);
+                for (int m = 0; m < mt; m++) acc[m][j] = _mm256_fmadd_ps(gacc[m][j], sv, acc[m][j]);
+            }
+        }
+    }
+    for (int j = 0; j < 2 * nb; j++) {
+        const int64_t left = valid - j * 8;
+        if (left <= 0) break;
+        const __m256 s = scale ? bf16x8_to_ps_n(scale + j * 8, left) : _mm256_set1_ps(1.f);
+        const __m256 b = bias ? bf16x8_to_ps_n(bias + j * 8, left) : _mm256_setzero_ps();
+        for (int m = 0; m < mt; m++) ps_to_bf16x8_n(y + m * N + j * 8, _mm256_fmadd_ps(acc[m][j], s, b), left);
+    }
+}
+
+#define ACASE(mt, nb, st) case (mt) * 8 + (nb): \
+    pass_avx2(x, mt, K, wp, st, nb, vstride, scale, bias, y, N, valid, group, gscale, gstride); break;
+#define ACASES(st) switch (mt * 8 + nb) { \
+    ACASE(1, 4, st) ACASE(1, 3, st) ACASE(1, 2, st) ACASE(1, 1, st) ACASE(2, 2, st) ACASE(2, 1, st) ACASE(3, 1, st) \
+    ACASE(4, 1, st) ACASE(5, 1, st) ACASE(6, 1, st) default: break; }
+
+static void pass_avx2_any(const float *x, int mt, int64_t K, const void *wp, int storage, int nb, int vstride,
+                          const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
+                          int64_t group, const uint16_t *gscale, int64_t gstride) {
+    if (storage == W_BF16) ACASES(W_BF16)
+    else if (storage == W_INT8) ACASES(W_INT8)
+    else ACASES(W_INT4)
+}
+
+// Rows x[0..M) against a whole panel of nv blocks: one row over the whole panel (one stream, in order; int4's group
+// sums then spill a few of the 16 accumulators, which ran 1.07x faster than two passes over half the panel); two
+// rows over 2 blocks at a time; more over one block at a time, up to MT_AVX2 rows per pass (int4, whose group sums
+// double the accumulators: up to 3).
+static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv,
+                       const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
+                       int64_t group, const uint16_t *gscale, int64_t gstride) {
+    const int grouped = storage == W_INT4, max_rows = grouped ? 3 : MT_AVX2;
+    const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
+    for (int64_t m0 = 0; m0 < M;) {
+        const int64_t left = M - m0;
+        const int mt = (int)(left < max_rows ? left : max_rows);
+        const int want = mt == 1 ? 4 : mt == 2 && !grouped ? 2 : 1;
+        for (int v0 = 0; v0 < nv; v0 += want) {
+            const int nb = nv - v0 < want ? nv - v0 : want;
+            const int64_t vv = valid - v0 * 16;
+            if (vv <= 0) break;
+            pass_avx2_any(x + m0 * K, mt, K, (const char *)wp + v0 * per_block, storage, nb, nv,
+                          scale ? scale + v0 * 16 : NULL, bias ? bias + v0 * 16 : NULL, y + m0 * N + v0 * 16, N,
+                          vv, group, gscale ? gscale + v0 * 16 : NULL, gstride);
+        }
+        m0 += mt;
+    }
+}
+
+static float *avx2_x_buffer(size_t n) {  // x in float32, converted once per call
+    static _Thread_local float *buf;
+    static _Thread_local size_t cap;
+    if (n > cap) {
+        float *grown = realloc(buf, n * sizeof *buf);
+        if (!grown) return NULL;
+        buf = grown, cap = n;
+    }
+    return buf;
+}
+
+// bf16_linear's and bf16_linear_int4's work on AVX2: items of one panel x M_CHUNK rows over the threads. No panel
+// is widened to bf16 first at any row count: the int8 and int4 passes decode each weight once per pass of up to 6
+// (int4: 3) rows, and at 8-16 rows they ran as many products per second as the bf16 passes (docs/BENCHMARKS.md).
+static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
+                    const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int64_t group, const uint16_t *gscale) {
+    const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
+    float *xf = avx2_x_buffer((size_t)(M * K));
+    if (!xf) return 2;
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
+            const int64_t valid = N - n0 < width ? N - n0 : width;
+            const int64_t m0 = c * M_CHUNK, rows = (m0 + M_CHUNK < M ? m0 + M_CHUNK : M) - m0;
+            const void *w = storage == W_INT8 ? (const void *)((const int8_t *)wp + n0 * K)
+                          : storage == W_INT4 ? (const void *)((const uint8_t *)wp + n0 * K / 2)
+                                              : (const void *)((const uint16_t *)wp + n0 * K);
+            panel_avx2(xf + m0 * K, rows, K, w, storage, (int)(width / 16), scale ? scale + n0 : NULL,
+                       bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid, group,
+                       storage == W_INT4 ? gscale + n0 * (K / group) : NULL, width);
+        }
+    return 0;
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX: the same VNNI-pair panels are already the layout of an AMX B tile. A tile of 16 pair rows x 16 outputs
 // x 2 starts at panel + (k / 2) * width * 2 + v * 32 with a row stride of width * 4 bytes, so the weight is packed
@@ -629,6 +829,8 @@ int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const void *wp, int int
                 const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
 #ifdef __AVX512BF16__
     return run(x, M, K, wp, int8 ? W_INT8 : W_BF16, scale, bias, N, y, nthreads, 0, 0, NULL);
+#elif defined(HAVE_AVX2_PASSES)
+    return run_avx2(x, M, K, wp, int8 ? W_INT8 : W_BF16, scale, bias, N, y, nthreads, 0, NULL);
 #else
     (void)x; (void)M; (void)K; (void)wp; (void)int8; (void)scale; (void)bias; (void)N; (void)y; (void)nthreads;
     return 1;
@@ -653,9 +855,13 @@ int bf16_linear_amx(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
 // Returns as bf16_linear, and 3 where the group does not fit K.
 int bf16_linear_int4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *wp, const uint16_t *gscale, int64_t group,
                      const uint16_t *bias, int64_t N, uint16_t *y, int nthreads) {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(HAVE_AVX2_PASSES)
     if (group <= 0 || group % 2 || K % group) return 3;
+#ifdef __AVX512BF16__
     return run(x, M, K, wp, W_INT4, NULL, bias, N, y, nthreads, 0, group, gscale);
+#else
+    return run_avx2(x, M, K, wp, W_INT4, NULL, bias, N, y, nthreads, group, gscale);
+#endif
 #else
     (void)x; (void)M; (void)K; (void)wp; (void)gscale; (void)group; (void)bias; (void)N; (void)y; (void)nthreads;
     return 1;

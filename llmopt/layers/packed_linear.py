@@ -1,6 +1,6 @@
 """Dense bf16/fp16 CPU projections with the weight packed once (decode reads every weight per token, and
 CPU `F.linear` is far from memory speed at a few rows): our kernel (`bf16_linear.c`) over VNNI pairs for
-bf16 with AVX512-BF16, else oneDNN's blocked layout. Both sum in float32 and round once; fp32 is never
+bf16 with AVX512-BF16 or AVX2, else oneDNN's blocked layout. Both sum in float32 and round once; fp32 is never
 packed, so greedy fp32 output stays token-identical to transformers. A tied lm_head gets a packed copy and
 the embedding keeps the plain weight for lookups, as vLLM does (one more vocab x hidden matrix in memory)."""
 
@@ -41,8 +41,9 @@ FMA_VENDORS = ("GenuineIntel",)
 
 
 class Bf16LinearKernel:
-    """The loaded `bf16_linear.c`; `available` is False where the build has no AVX512-BF16, `amx` True where
-    the CPU (and its kernel) lend AMX tiles, which then run every call of `amx_min_rows` rows or more."""
+    """The loaded `bf16_linear.c`; `available` is False where the build has neither AVX512-BF16 nor AVX2 with FMA
+    (`isa` says which passes run), `amx` True where the CPU (and its kernel) lend AMX tiles, which then run every
+    call of `amx_min_rows` rows or more."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -55,6 +56,13 @@ class Bf16LinearKernel:
             fn.restype = ctypes.c_int
         self._int4, self._int4_amx = lib.bf16_linear_int4, lib.bf16_linear_int4_amx
         self.available = bool(lib.bf16_linear_available())
+        # 2: AVX512-BF16 passes (and AMX where lent), 1: AVX2 float32 passes, 0: neither (a library built before the
+        # AVX2 passes has no bf16_linear_isa: then AVX512-BF16 or nothing)
+        isa = getattr(lib, "bf16_linear_isa", None)
+        self.isa = {2: "avx512-bf16", 1: "avx2"}.get(int(isa()) if isa is not None else 2 * self.available, "none")
+        widen = getattr(lib, "bf16_linear_int4_widen_rows", None)
+        # past this many rows (off AMX) int4 panels are dequantized to bf16 first: torch's rounded (q - 8) * s
+        self.int4_widen_rows = int(widen()) if widen is not None else 64
         self.amx = self.available and bool(lib.bf16_linear_amx_available())
         self.amx_min_rows = dict(AMX_MIN_ROWS)
         self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
@@ -102,7 +110,8 @@ class Bf16LinearKernel:
         rc = fn(x2.data_ptr(), m, k, packed.data_ptr(), int(int8), _ptr(scale), _ptr(bias), n, out.data_ptr(),
                 torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError("bf16 linear kernel: " + ("no AVX512-BF16 in this build" if rc == 1 else "out of memory"))
+            raise RuntimeError("bf16 linear kernel: " + ("no AVX512-BF16 or AVX2 in this build" if rc == 1
+                                                         else "out of memory"))
         return out
 
 
@@ -115,7 +124,7 @@ class Bf16LinearKernel:
         rc = fn(x2.data_ptr(), m, k, packed.data_ptr(), gscale.data_ptr(), group, _ptr(bias), n, out.data_ptr(),
                 torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError("bf16 linear kernel (int4): " + {1: "no AVX512-BF16 in this build", 2: "out of memory",
+            raise RuntimeError("bf16 linear kernel (int4): " + {1: "no AVX512-BF16 or AVX2 in this build", 2: "out of memory",
                                                                  3: f"group {group} does not fit K {k}"}[rc])
         return out
 
@@ -174,8 +183,17 @@ def unpack_vnni(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `pack_linears` will pack weights of `dtype` on `device` in this torch build."""
-    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+    """Whether `pack_linears` will pack weights of `dtype` on `device` here: bf16 where our kernel runs (AVX2 is
+    enough: on CPUs without AVX512-BF16, oneDNN has no bf16 matmul) or oneDNN has a bf16 matmul, fp16 where oneDNN
+    has one."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES:
+        return False
+    return (dtype == torch.bfloat16 and vnni_kernel() is not None) or onednn_supported(dtype)
+
+
+def onednn_supported(dtype: torch.dtype) -> bool:
+    """Whether this torch build's oneDNN has a CPU matmul for `dtype` (bf16 needs AVX512 or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

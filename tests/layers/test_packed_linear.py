@@ -14,6 +14,7 @@ from llmopt.layers.linear import FusedLinear
 from llmopt.layers.moe import SparseMoeBlock
 from llmopt.layers.packed_linear import (
     PackedLinear,
+    onednn_supported,
     pack_linears,
     pack_vnni,
     packing_supported,
@@ -29,7 +30,7 @@ from llmopt.testing.tiny_model import write_tiny_moe
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, CPU),
                                    reason="this torch build's oneDNN has no bf16 matmul")
-needs_vnni = pytest.mark.skipif(vnni_kernel() is None, reason="no AVX512-BF16 (or no C compiler) here")
+needs_vnni = pytest.mark.skipif(vnni_kernel() is None, reason="no AVX512-BF16 or AVX2 (or no C compiler) here")
 
 
 def _linear(n: int, k: int, bias: bool, dtype: torch.dtype, g: torch.Generator) -> nn.Linear:
@@ -57,7 +58,7 @@ def test_packed_linear_matches_f_linear(dtype, bias, vnni):
     """Decode and prefill sizes. Which kernel runs a bf16 call (our AMX tiles or AVX512-BF16 pairs, oneDNN's
     own choice by shape and CPU) sets the summation order, so no two need agree bitwise: ours and F.linear
     are each held to the bound every float32-summing kernel meets (llmopt.testing.rounding), against float64."""
-    if not packing_supported(dtype, CPU):
+    if not (vnni and dtype == torch.bfloat16 and vnni_kernel() is not None) and not onednn_supported(dtype):
         pytest.skip(f"no oneDNN {dtype} matmul here")
     g = torch.Generator().manual_seed(0)
     lin = _linear(200, 96, bias, dtype, g)
@@ -218,7 +219,8 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
 @pytest.mark.parametrize("path", ["vnni", "fma", "amx"])
 @pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 32), (130, 576, 64), (64, 256, 128), (100, 96, 96), (20, 48, 16)])
 def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k, group, path, monkeypatch):
-    """W4A16 on the VNNI panels (bf16_linear_int4). Up to the widening threshold (64 rows) nibbles are decoded
+    """W4A16 on the VNNI panels (bf16_linear_int4). Up to the widening threshold (64 rows; none on the AVX2 passes)
+    nibbles are decoded
     exactly and each group is summed and folded in by its scale (in vdpbf16ps or, `fma`, in float32 FMAs):
     within the float32-summation bound of the exact product. Past it, and at every row count on AMX tiles (bf16_linear_int4_amx, forced here), each panel
     is dequantized once to bf16 (q - 8) * s, rounded as torch rounds that product (what transformers computes):
@@ -245,7 +247,7 @@ def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k
     for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 64, 65, 80):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = kernel.int4(x, packed, gscale, group, bias, n)
-        widened = rows > 64 or kernel.uses_amx(rows, k, torch.uint8)
+        widened = rows > kernel.int4_widen_rows or kernel.uses_amx(rows, k, torch.uint8)
         ok, worst = within_bf16_linear_bound(got, x, w_bf16 if widened else w, bias)
         assert ok, f"{rows} rows ({path}): error {worst:.2f}x the bound"
         if widened and rows >= 4:  # the dequantized panels ran (1-3 rows: too few outputs to tell)
@@ -258,7 +260,8 @@ def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
     """x = (1, 0, 2^24, 1, -2^24, 0, 0, ...) against weights of 1 shows which passes ran, by where float32 drops
     a 1 next to 2^24: vdpbf16ps adds each pair's odd product, then its even one (1, 2, 2^24 + 2, 2); the int4
     FMA passes add in k order (1, 2^24, 2^24, 0); the int8 FMA passes sum even k (1, 2^24, 0) and odd k (1)
-    apart and add them (1). So `fma` is not a no-op, whichever CPU runs it."""
+    apart and add them (1). So `fma` is not a no-op, whichever CPU runs it. The AVX2 passes (CPUs without
+    AVX512-BF16) are float32 FMAs in k order for every storage, whatever the switch: 0 for both."""
     from llmopt.layers.packed_linear import pack_int4_vnni
 
     kernel = vnni_kernel()
@@ -272,5 +275,6 @@ def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
     packed, gscale = pack_int4_vnni(torch.full((n, k), 9), torch.ones(n, 1))  # (9 - 8) * 1, one group
     int4 = kernel.int4(x, packed, gscale, k, None, n)
     int8 = kernel(x, pack_vnni(torch.ones(n, k, dtype=torch.int8)), None, n, torch.ones(n, dtype=torch.bfloat16))
-    assert torch.equal(int4.float(), torch.full((1, n), 0.0 if fma else 2.0))
-    assert torch.equal(int8.float(), torch.full((1, n), 1.0 if fma else 2.0))
+    avx2 = kernel.isa == "avx2"
+    assert torch.equal(int4.float(), torch.full((1, n), 0.0 if fma or avx2 else 2.0))
+    assert torch.equal(int8.float(), torch.full((1, n), 0.0 if avx2 else 1.0 if fma else 2.0))
