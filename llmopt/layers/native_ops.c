@@ -73,6 +73,21 @@ static inline uint16_t gelu_mul(uint16_t g, uint16_t u) {
     return f_to_bf16(round_bf16(a) * bf16_to_f(u));
 }
 
+// SiLU of a bf16 gate as eager torch computes it, g / (1 + e^-g), for the loops without AVX-512. Under -ffast-math GCC
+// divides vectors by a reciprocal estimate, which gives 0 for a divisor past 2^126 and NaN for an infinite one,
+// where eager's division gives tiny values and zeros of g's sign. So far out on the negative side the quotient is
+// not divided: g e^g where e^-g is finite (the same float: 1 / (1 + e^-g) = e^g (1 - e^g + ...)), and a zero of
+// g's sign, from its bits, where e^-g overflows (g below -88.72; -inf keeps eager's NaN, inf * 0).
+static inline float silu(uint16_t g) {
+    const float v = bf16_to_f(g);
+    const float near = v / (1.f + expf(-v)), far = v * expf(v);
+    const uint32_t zero_bits = (uint32_t)(g & 0x8000u) << 16;
+    float zero;
+    memcpy(&zero, &zero_bits, sizeof zero);
+    const int overflows = (g & 0x8000u) && (g & 0x7fffu) >= 0x42b2u && (g & 0x7fffu) < 0x7f80u;  // -inf < g <= -89
+    return overflows ? zero : v < -64.f ? far : near;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)  // DQ: vfpclassps
 #define GATED_X16 1
 static inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
@@ -171,10 +186,7 @@ void gated_act_bf16(const uint16_t *x, int64_t rows, int64_t inter, int gelu, ui
         if (gelu) {
             for (int64_t i = 0; i < inter; i++) o[i] = gelu_mul(g[i], u[i]);
         } else {
-            for (int64_t i = 0; i < inter; i++) {
-                const float v = bf16_to_f(g[i]);
-                o[i] = f_to_bf16(round_bf16(v / (1.f + expf(-v))) * bf16_to_f(u[i]));
-            }
+            for (int64_t i = 0; i < inter; i++) o[i] = f_to_bf16(round_bf16(silu(g[i])) * bf16_to_f(u[i]));
         }
     }
 }
