@@ -105,7 +105,7 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
         elif cfg.gates:
             outcome.gates = (check_scenario_gates(outcome.scenario, cfg.gates) if outcome.scenario is not None
                              else check_report_gates(outcome.report, cfg.gates))  # type: ignore[arg-type]
-    _write_outputs(cfg, outcome)  # the HTML page shows the gates, so they are checked first
+    write_outputs(cfg, outcome)  # the HTML page shows the gates, so they are checked first
     for path in outcome.written:
         console.print(f"[dim]wrote {path}[/]")
     if outcome.interrupted:
@@ -127,7 +127,9 @@ def show_comparison(paths: Sequence[str], console: Console | None = None) -> Com
 # ------------------------------------------------------------------------------------------ outputs
 
 
-def _write_outputs(cfg: BenchConfig, outcome: BenchOutcome) -> None:
+def write_outputs(cfg: BenchConfig, outcome: BenchOutcome) -> None:
+    """The files `cfg` asks for (--json, --markdown, --plot, --html) of `outcome`; their paths in `outcome.written`.
+    Public for callers that run the benchmark without them and write them after (a recipe's bench stage)."""
     if outcome.ab is not None:
         result: Any = outcome.ab
         writers: tuple[Any, ...] = (write_ab_json, write_ab_markdown, None)

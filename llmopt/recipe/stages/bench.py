@@ -74,7 +74,7 @@ class BenchStage(Stage):
 
     def run(self, ctx: StageContext, out: Path) -> StageOutcome:
         from llmopt.bench.gate_metrics import RUN_METRICS, gated_run
-        from llmopt.bench.runner import _write_outputs, run_bench
+        from llmopt.bench.runner import run_bench, write_outputs
 
         cfg = bench_config(ctx.rr, ctx.candidate_model(), out)
         # the bench writes no files itself, so it does not print `out`, the runner's temporary folder; they are
@@ -83,7 +83,7 @@ class BenchStage(Stage):
                             ctx.console)
         if outcome.interrupted:
             raise KeyboardInterrupt
-        _write_outputs(cfg, outcome)
+        write_outputs(cfg, outcome)
         for path in outcome.written:
             ctx.console.print(f"[dim]wrote {escape(str(ctx.run_dir / self.name / Path(path).relative_to(out)))}[/]")
         report = outcome.report if outcome.scenario is None else outcome.scenario.variants[-1].report
