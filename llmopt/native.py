@@ -106,9 +106,10 @@ def _run(cmd: list[str]) -> None:
         raise KernelBuildError(f"{' '.join(cmd[:2])} failed: {first[0] if first else f'exit {proc.returncode}'}")
 
 
-def build(source: Path, cc: str, cache_dir: Path) -> Path:
-    """Compile `source` with `cc` into `cache_dir` (once per source, headers, compiler and CPU: an existing
-    build is reused); returns the .so.
+def build(source: Path, cc: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile `source` with `cc` into `cache_dir` (once per source, headers, compiler, CPU and flags: an existing
+    build is reused); returns the .so. `extra_flags` follow the usual ones (tests build the AVX2 passes on
+    AVX-512 CPUs with -mno-avx512f).
     Compiled with -ffast-math, linked without it: a -ffast-math link adds crtfastmath, which would turn
     on flush-to-zero for the whole process when the library loads."""
     src = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in HEADERS)])
@@ -118,14 +119,15 @@ def build(source: Path, cc: str, cache_dir: Path) -> Path:
         raise KernelBuildError(f"no C compiler {cc!r} ({e})") from None
     libdir = _torch_lib_dir()
     link = [f"-L{libdir}", f"-Wl,-rpath,{libdir}"] if libdir else []
-    key = hashlib.sha256(b"\0".join([src, cc.encode(), version.encode(), " ".join(COMPILE_FLAGS + link).encode(),
+    flags = [*COMPILE_FLAGS, *extra_flags]
+    key = hashlib.sha256(b"\0".join([src, cc.encode(), version.encode(), " ".join(flags + link).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     so = cache_dir / f"{source.stem}-{key}.so"
     if so.exists():
         return so
     with tempfile.TemporaryDirectory(prefix="llmopt-kernel-") as tmp:
         obj, out = Path(tmp) / f"{source.stem}.o", Path(tmp) / f"{source.stem}.so"
-        _run([cc, *COMPILE_FLAGS, f"-I{HEADERS[0].parent}", "-c", str(source), "-o", str(obj)])
+        _run([cc, *flags, f"-I{HEADERS[0].parent}", "-c", str(source), "-o", str(obj)])
         _run([cc, "-shared", "-fopenmp", str(obj), "-o", str(out), *link, "-lm"])
         # fsynced and renamed in: a crash never leaves a truncated library under the final name (it
         # would fail to load, and exist, forever); a concurrent build of the same key writes the same bytes

@@ -1,7 +1,7 @@
 """A sparse Mixture-of-Experts MLP block (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert).
 
 Routing follows the Hugging Face reference. Three paths, the first that takes the block runs: where every
-projection runs on our CPU kernels (bf16 packed, W8A16 or W4A16 on a CPU with AVX512-BF16, no hooks), the whole
+projection runs on our CPU kernels (bf16 packed, W8A16 or W4A16 on a CPU with AVX512-BF16 or AVX2, no hooks), the whole
 block is one C call (`moe_native.py`), which the decode step calls as well; while every expert is a plain float
 Linear pair (fp32, CUDA), their weights live in two stacked [experts, out, in] tensors (which the Linears view)
 and run as two `grouped_mm` calls; otherwise one matmul per expert over its routed tokens. `calibrate_all` experts

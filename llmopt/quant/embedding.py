@@ -3,7 +3,7 @@ per row, or int4 with one scale per group of 32 columns, two codes per byte.
 
 Why: in small models the vocabulary matrix is most of the weights (21% of SmolLM2-135M, 62.6% of Gemma-3-270M)
 and a tied one is also the output head, which every decoded token reads whole. The head side runs as a
-weight-only linear (our int8 / int4 VNNI kernels on AVX512-BF16 CPUs), built from the same QuantizedWeight by
+weight-only linear (our int8 / int4 VNNI kernels on AVX512-BF16 or AVX2 CPUs), built from the same QuantizedWeight by
 the loader; this module is the lookup side: each token's row is read as codes and scaled, in float32, as a
 dequantizing reader (transformers, compressed-tensors) computes it, then cast to the compute dtype.
 """

@@ -6,7 +6,7 @@ with fp32 activations), run the kernel on a 2-D view, add the bias and cast back
 
 Kernels (torch 2.13) and when each module falls back to dequantize-then-matmul:
 
-* `Int4WeightOnlyLinear` — CPU with AVX512-BF16, symmetric groups of an even size and bf16 activations:
+* `Int4WeightOnlyLinear` — CPU with AVX512-BF16 or AVX2, symmetric groups of an even size and bf16 activations:
   our VNNI-panel kernel (`layers/bf16_linear.c`, `bf16_linear_int4`: up to 64 rows nibbles turned into
   bf16 by one table lookup, each group summed apart and folded in by its 16 outputs' scales; past that each
   panel dequantized once to bf16 (q − 8)·s, rounded as torch rounds it, and multiplied as bf16 weights;

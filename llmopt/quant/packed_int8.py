@@ -1,4 +1,4 @@
-"""W8A16 linears repacked once for an engine on a CPU with AVX512-BF16: the int8 weight in VNNI pairs, run
+"""W8A16 linears repacked once for an engine on a CPU with AVX512-BF16 or AVX2: the int8 weight in VNNI pairs, run
 by the same kernel as the bf16 linears (`llmopt/layers/bf16_linear.c`).
 
 Why: `int8_linear.c` reads `Int8WeightOnlyLinear`'s row-major weight, where each output ends in a horizontal

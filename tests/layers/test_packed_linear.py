@@ -278,3 +278,51 @@ def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
     avx2 = kernel.isa == "avx2"
     assert torch.equal(int4.float(), torch.full((1, n), 0.0 if fma or avx2 else 2.0))
     assert torch.equal(int8.float(), torch.full((1, n), 0.0 if avx2 else 1.0 if fma else 2.0))
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory):
+    """bf16_linear.c built without AVX-512 (-mno-avx512f), so its AVX2 passes, which CPUs without AVX512-BF16 run,
+    are tested on every CPU with AVX2 and FMA, AVX-512 ones included (CI's)."""
+    from llmopt.layers.packed_linear import SOURCE, Bf16LinearKernel
+
+    cc = native.compiler()
+    if cc is None or not (native.cpu_has("avx2") and native.cpu_has("fma")):
+        pytest.skip("no C compiler, or a CPU without AVX2 and FMA")
+    kernel = Bf16LinearKernel(native.build(SOURCE, cc, tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",)))
+    assert kernel.isa == "avx2" and kernel.available and not kernel.amx
+    return kernel
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(7, 34, 34), (64, 64, 32), (130, 576, 64), (200, 96, 96), (20, 48, 16)])
+def test_avx2_passes_meet_the_float32_summation_bound(avx2_kernel, n, k, group):
+    """bf16, int8 (per-output scales) and int4 (group scales) at row counts that end mid-pass (1-7 rows: 1 over the
+    whole panel, 2 over half of it, more over a quarter, up to 6 or, int4, 3), mid work item (47-49) and past it,
+    with outputs that are not a whole vector, block or panel: within the bound of the exact product (every
+    product is exact: no panel is dequantized at any row count). A row alone equals the same row in a batch,
+    bitwise: its sums run in k order whatever the pass shape."""
+    from llmopt.layers.packed_linear import pack_int4_vnni
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s8 = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    q4 = torch.randint(0, 16, (n, k), generator=g)
+    s4 = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
+    w4 = (q4.float() - 8) * s4.repeat_interleave(group, 1)  # exact: a 4-bit code times a bf16 scale
+    p4, gs4 = pack_int4_vnni(q4, s4)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    pw, p8 = pack_vnni(w), pack_vnni(q8)
+    calls = {"bf16": (lambda x: avx2_kernel(x, pw, bias, n), w, None),
+             "int8": (lambda x: avx2_kernel(x, p8, bias, n, s8), q8, s8),
+             "int4": (lambda x: avx2_kernel.int4(x, p4, gs4, group, bias, n), w4, None)}
+    x_all = torch.randn(100, k, generator=g).to(torch.bfloat16)
+    for storage, (call, weight, scale) in calls.items():
+        batched = call(x_all)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 47, 48, 49, 100):
+            got = call(x_all[:rows])
+            ok, worst = within_bf16_linear_bound(got, x_all[:rows], weight, bias, scale)
+            assert ok, f"{storage}, {rows} rows: error {worst:.2f}x the bound"
+            assert torch.equal(got, batched[:rows]), f"{storage}, {rows} rows"
+        for i in (0, 5, 49, 99):
+            assert torch.equal(call(x_all[i:i + 1]), batched[i:i + 1]), f"{storage}, row {i}"
