@@ -436,6 +436,7 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // of 2^23 and 2^23 + 8 subtracted (q - 8, exact, without a conversion). int4 groups are summed apart and folded in by
 // their scales, as the AVX-512 passes do: every product exact at every row count (no panel is dequantized first).
 #define MT_AVX2 6     // the most rows of a pass: 6 x 2 accumulators over one block of 16 outputs
+#define X_ROWS_AVX2 192  // rows of x converted to float32 per round (4 work items of M_CHUNK rows)
 
 static inline __m256 bf16x8_to_ps(const uint16_t *p) {  // 8 bf16 as float32, exact
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -586,6 +587,14 @@ static float *avx2_x_buffer(size_t n) {  // x in float32, converted once per cal
 // (int4: 3) rows, and at 8-16 rows they ran as many products per second as the bf16 passes (docs/BENCHMARKS.md).
 static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
                     const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int64_t group, const uint16_t *gscale) {
+    if (M > X_ROWS_AVX2) {  // x in float32 a block of rows at a time: the buffer kept stays small at prefill sizes
+        for (int64_t m0 = 0; m0 < M; m0 += X_ROWS_AVX2) {
+            const int rc = run_avx2(x + m0 * K, M - m0 < X_ROWS_AVX2 ? M - m0 : X_ROWS_AVX2, K, wp, storage, scale,
+                                    bias, N, y + m0 * N, nthreads, group, gscale);
+            if (rc) return rc;
+        }
+        return 0;
+    }
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
     float *xf = avx2_x_buffer((size_t)(M * K));
     if (!xf) return 2;

@@ -298,9 +298,9 @@ def avx2_kernel(tmp_path_factory):
 def test_avx2_passes_meet_the_float32_summation_bound(avx2_kernel, n, k, group):
     """bf16, int8 (per-output scales) and int4 (group scales) at row counts that end mid-pass (1-7 rows: 1 over the
     whole panel, 2 over half of it, more over a quarter, up to 6 or, int4, 3), mid work item (47-49) and past it,
-    with outputs that are not a whole vector, block or panel: within the bound of the exact product (every
-    product is exact: no panel is dequantized at any row count). A row alone equals the same row in a batch,
-    bitwise: its sums run in k order whatever the pass shape."""
+    past a round of x's conversion to float32 (193, 250), with outputs that are not a whole vector, block or panel:
+    within the bound of the exact product (every product is exact: no panel is dequantized at any row count). A row
+    alone equals the same row in a batch, bitwise: its sums run in k order whatever the pass shape."""
     from llmopt.layers.packed_linear import pack_int4_vnni
 
     g = torch.Generator().manual_seed(n + k)
@@ -316,13 +316,13 @@ def test_avx2_passes_meet_the_float32_summation_bound(avx2_kernel, n, k, group):
     calls = {"bf16": (lambda x: avx2_kernel(x, pw, bias, n), w, None),
              "int8": (lambda x: avx2_kernel(x, p8, bias, n, s8), q8, s8),
              "int4": (lambda x: avx2_kernel.int4(x, p4, gs4, group, bias, n), w4, None)}
-    x_all = torch.randn(100, k, generator=g).to(torch.bfloat16)
+    x_all = torch.randn(250, k, generator=g).to(torch.bfloat16)  # past 192 rows x is converted in rounds
     for storage, (call, weight, scale) in calls.items():
         batched = call(x_all)
-        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 47, 48, 49, 100):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 47, 48, 49, 100, 193, 250):
             got = call(x_all[:rows])
             ok, worst = within_bf16_linear_bound(got, x_all[:rows], weight, bias, scale)
             assert ok, f"{storage}, {rows} rows: error {worst:.2f}x the bound"
             assert torch.equal(got, batched[:rows]), f"{storage}, {rows} rows"
-        for i in (0, 5, 49, 99):
+        for i in (0, 5, 49, 99, 249):
             assert torch.equal(call(x_all[i:i + 1]), batched[i:i + 1]), f"{storage}, row {i}"
