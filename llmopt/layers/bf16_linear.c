@@ -29,6 +29,7 @@
 // every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native_bf16.h"
@@ -58,6 +59,25 @@ enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 // from DRAM (545 MB, past what the VM's share of the L3 holds), 1.07-1.14x at one row over prefetcht0 2 KB ahead,
 // 1.03-1.06x at two (any of 4-32 KB ahead; docs/BENCHMARKS.md, "prefetching into L2")
 #define PF_L2 8192
+
+// A thread's scratch, kept for its next call: a fresh buffer of a panel's size would be mapped per call, and its
+// page faults cost more than the conversion it holds. NULL when out of memory.
+struct scratch { void *buf; size_t cap; };
+
+static inline void *scratch_at_least(struct scratch *s, size_t bytes) {
+    if (bytes > s->cap) {
+        void *grown = realloc(s->buf, bytes);
+        if (!grown) return NULL;
+        s->buf = grown, s->cap = bytes;
+    }
+    return s->buf;
+}
+
+// n float32 values: x for the float32 passes (AVX-512's where set, and AVX2's), apart from thread_buffer
+static inline float *x_float_buffer(size_t n) {
+    static _Thread_local struct scratch s;
+    return (float *)scratch_at_least(&s, n * sizeof(float));
+}
 
 // Which passes this build runs: 2 AVX512-BF16 (vdpbf16ps, or float32 FMAs where set), 1 AVX2 (float32 FMAs, below),
 // 0 none (the callers keep their other paths).
@@ -91,8 +111,6 @@ void bf16_linear_set_fma(int on) { fma_passes = on != 0; }
 int bf16_linear_fma(void) { return fma_passes; }
 
 #ifdef __AVX512BF16__
-#include <stdlib.h>
-
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {  // 16 bf16 as float32, masked
     return bf16x16_widen(_mm256_maskz_loadu_epi16(mask, p));
 }
@@ -363,27 +381,9 @@ static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int stor
     }
 }
 
-// A thread's scratch, kept for its next call: a fresh buffer of a panel's size would be mapped per call, and its
-// page faults cost more than the conversion it holds. NULL when out of memory.
-struct scratch { void *buf; size_t cap; };
-
-static void *scratch_at_least(struct scratch *s, size_t bytes) {
-    if (bytes > s->cap) {
-        void *grown = realloc(s->buf, bytes);
-        if (!grown) return NULL;
-        s->buf = grown, s->cap = bytes;
-    }
-    return s->buf;
-}
-
 static uint16_t *thread_buffer(size_t n) {  // n bf16 values (a widened panel)
     static _Thread_local struct scratch s;
     return (uint16_t *)scratch_at_least(&s, n * sizeof(uint16_t));
-}
-
-static float *x_float_buffer(size_t n) {  // n float32 values (x for the float32 passes; apart from thread_buffer)
-    static _Thread_local struct scratch s;
-    return (float *)scratch_at_least(&s, n * sizeof(float));
 }
 
 // An int8 panel converted to bf16 in the same layout (exact: |w| <= 128); n is a multiple of 32.
@@ -426,7 +426,6 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_PASSES
 #include <immintrin.h>
-#include <stdlib.h>
 // The AVX2 passes, for CPUs without AVX512-BF16 (AMD's Zen 2 and 3, Intel cores before Cooper Lake; oneDNN has no
 // bf16 kernels there either): the same panels, every storage multiplied in float32 FMAs on x converted once per
 // call. A pair row of 8 outputs becomes two vectors of 8 float32 weights, those of k and of k + 1, each multiplied
@@ -571,17 +570,6 @@ static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int
     }
 }
 
-static float *avx2_x_buffer(size_t n) {  // x in float32, converted once per call
-    static _Thread_local float *buf;
-    static _Thread_local size_t cap;
-    if (n > cap) {
-        float *grown = realloc(buf, n * sizeof *buf);
-        if (!grown) return NULL;
-        buf = grown, cap = n;
-    }
-    return buf;
-}
-
 // bf16_linear's and bf16_linear_int4's work on AVX2: items of one panel x M_CHUNK rows over the threads. No panel
 // is widened to bf16 first at any row count: the int8 and int4 passes decode each weight once per pass of up to 6
 // (int4: 3) rows, and at 8-16 rows they ran as many products per second as the bf16 passes (docs/BENCHMARKS.md).
@@ -596,7 +584,7 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
         return 0;
     }
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
-    float *xf = avx2_x_buffer((size_t)(M * K));
+    float *xf = x_float_buffer((size_t)(M * K));
     if (!xf) return 2;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
