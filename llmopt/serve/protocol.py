@@ -70,8 +70,6 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    model_config = _STRICT
-
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk
 
@@ -86,8 +84,6 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    model_config = _STRICT
-
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -103,8 +99,6 @@ Choice = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
 
 class StructuredOutputsRequest(_Body):
     """vLLM's `structured_outputs`: exactly one constraint."""
-
-    model_config = _STRICT
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = Field(None, min_length=1)
@@ -125,8 +119,6 @@ class StructuredOutputsRequest(_Body):
 
 class _Sampling(_Body):
     """Fields shared by both endpoints."""
-
-    model_config = _STRICT
 
     model: str | None = None  # None: the served model (vLLM accepts a missing model too)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -255,30 +247,22 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(_Body):
-    model_config = _STRICT
-
     type: Literal["text"]
     text: str
 
 
 class ToolCallFunction(_Body):
-    model_config = _STRICT
-
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
 class ToolCall(_Body):
-    model_config = _STRICT
-
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
 class ChatMessage(_Body):
-    model_config = _STRICT
-
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -339,8 +323,6 @@ def _json_or_text(text: str) -> Any:
 
 
 class FunctionDefinition(_Body):
-    model_config = _STRICT
-
     name: str = Field(..., pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
@@ -348,21 +330,15 @@ class FunctionDefinition(_Body):
 
 
 class Tool(_Body):
-    model_config = _STRICT
-
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class NamedFunction(_Body):
-    model_config = _STRICT
-
     name: str
 
 
 class NamedToolChoice(_Body):
-    model_config = _STRICT
-
     type: Literal["function"]
     function: NamedFunction
 
@@ -420,8 +396,6 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the chat template."""
 
-    model_config = _STRICT
-
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -443,7 +417,5 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    model_config = _STRICT
-
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
