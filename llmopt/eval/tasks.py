@@ -47,7 +47,6 @@ UNSUPPORTED_KEYS = frozenset({
 METRICS = {"multiple_choice": ("acc", "acc_norm", "acc_bytes"), "generate_until": ("exact_match",)}
 DEFAULT_METRICS = {"multiple_choice": ("acc", "acc_norm"), "generate_until": ("exact_match",)}
 EXACT_MATCH_KWARGS = frozenset({"ignore_case", "ignore_punctuation", "ignore_numbers", "regexes_to_ignore"})
-GENERATION_KWARGS = frozenset({"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"})
 
 
 class MetricSpec(BaseModel):
@@ -74,6 +73,9 @@ class GenerationKwargs(BaseModel):
     temperature: float = pydantic.Field(1.0, ge=0.0)
     top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = pydantic.Field(None, ge=-1)
+
+
+GENERATION_KWARGS = frozenset(GenerationKwargs.model_fields)  # the keys a task may give
 
 
 class TaskConfig(BaseModel):
