@@ -435,6 +435,16 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // of 2^23 and 2^23 + 8 subtracted (q - 8, exact, without a conversion). int4 groups are summed apart and folded in by
 // their scales, as the AVX-512 passes do: every product exact at every row count (no panel is dequantized first).
 #define MT_AVX2 6     // the most rows of a pass: 6 x 2 accumulators over one block of 16 outputs
+// Prefetch distances of the AVX2 passes (bytes; -D overrides them, for tuning): on the Zen 3 VM, prefetching every
+// line of a pass's pair rows took one row from 22.0 to 28.0 GB/s in bf16 and 17.5 to 27.5 in int8 (only the first
+// line of each was prefetched before); 2 and 4 KB ahead ran as 1 and 2 KB at one row, 1.04-1.06x at two
+// (docs/BENCHMARKS.md, "the AVX2 passes")
+#ifndef PF_AVX2_BF16
+#define PF_AVX2_BF16 2048
+#endif
+#ifndef PF_AVX2_PACKED
+#define PF_AVX2_PACKED 4096
+#endif
 #define X_ROWS_AVX2 192  // rows of x converted to float32 per round (4 work items of M_CHUNK rows)
 
 static inline __m256 bf16x8_to_ps(const uint16_t *p) {  // 8 bf16 as float32, exact
@@ -490,7 +500,12 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
             const char *row = storage == W_BF16 ? (const char *)wp + k * vstride * 32
                             : storage == W_INT8 ? (const char *)wp + k * vstride * 16
                                                 : (const char *)wp + (k / 2) * vstride * 16;
-            _mm_prefetch(row + (storage == W_BF16 ? PF_BF16 : PF_PACKED), _MM_HINT_T0);
+            // every cache line of this pass's part of the pair row (nb blocks: 64 bytes each in bf16, 32 in int8,
+            // 16 in int4), not only the first
+            const int line_blocks = storage == W_BF16 ? 1 : storage == W_INT8 ? 2 : 4;
+            for (int b = 0; b < nb; b += line_blocks)
+                _mm_prefetch(row + b * (64 / line_blocks) + (storage == W_BF16 ? PF_AVX2_BF16 : PF_AVX2_PACKED),
+                             _MM_HINT_T0);
             for (int j = 0; j < 2 * nb; j++) {
                 __m256 lo, hi;  // the 8 outputs' weights at k and at k + 1
                 if (storage == W_BF16) {
