@@ -24,6 +24,27 @@ def resolve_device(device: str) -> torch.device:
         raise LlmoptError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
 
 
+FORWARD_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def onednn_supported(dtype: torch.dtype) -> bool:
+    """Whether this torch build's oneDNN has a CPU matmul for `dtype` (bf16 needs AVX512 or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def forward_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of calibration's and quantization's layer-by-layer forwards. `auto`: bf16 where the device
+    multiplies it natively (CUDA; a CPU whose oneDNN has bf16 matmuls, with AVX512-BF16 or AMX), else float32:
+    on an AVX2-only CPU torch's bf16 matmul ran 10x slower than its float32 one (docs/QUANTIZE.md)."""
+    if name != "auto":
+        return FORWARD_DTYPES[name]
+    return torch.bfloat16 if device.type != "cpu" or onednn_supported(torch.bfloat16) else torch.float32
+
+
 def free_memory(device: torch.device | str | None = None) -> None:
     """Hand back the memory of models no longer referenced (cycles included), before the next one loads:
     the collector for cycles, glibc's heap for freed host tensors, the caching allocator for CUDA ones."""

@@ -21,8 +21,6 @@ from llmopt.calibrate.windows import CalibrationSet, build_calibration_set
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
 
 class CalibrationDataConfig(BaseModel):
     """Where calibration windows come from (shared by `calibrate` and `quantize --calib-data`)."""
@@ -50,7 +48,7 @@ class CalibrateConfig(CalibrationDataConfig):
     overwrite: bool = False
     device: str = "auto"
     threads: int | None = Field(None, ge=1)  # CPU threads (None: torch's default)
-    forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    forward_dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     batch_tokens: int = Field(4096, ge=1)
 
 
@@ -81,7 +79,7 @@ def run_calibration(cfg: CalibrateConfig, console: Console | None = None) -> Man
 
 
 def _run_calibration(cfg: CalibrateConfig, console: Console | None) -> Manifest:
-    from llmopt.devices import resolve_device
+    from llmopt.devices import forward_dtype, resolve_device
     from llmopt.models.loader import build_empty, fill_module, release
     from llmopt.models.reader import CheckpointTensors
     from llmopt.models.resolve import resolve_model, weights_dir
@@ -99,10 +97,11 @@ def _run_calibration(cfg: CalibrateConfig, console: Console | None) -> Manifest:
     # streamed as quantize is: one layer in memory at a time, read just before it runs (so an 8B model
     # calibrates in about one float32 layer plus the activations, not 32 GB)
     model = build_empty(resolved, torch.float32, device)
+    dtype = forward_dtype(cfg.forward_dtype, device)
     tensors = CheckpointTensors(directory)
     fill_module(model, tensors, "embed_tokens", device)
     with layer_progress(console, "calibrating", resolved.spec.num_layers) as advance:
-        stats = collect_stats(model, cs.windows, cfg.observer, cfg.percentile, DTYPES[cfg.forward_dtype],
+        stats = collect_stats(model, cs.windows, cfg.observer, cfg.percentile, dtype,
                               cfg.batch_tokens, progress=advance,
                               load_layer=lambda i: fill_module(model, tensors, f"layers.{i}", device),
                               layer_done=lambda i: release(model, f"layers.{i}"),
@@ -111,7 +110,7 @@ def _run_calibration(cfg: CalibrateConfig, console: Console | None) -> Manifest:
         model=ModelIdentity.of(resolved, directory),
         data=[data_record(s, cs.per_source.get(s.path, 0)) for s in cfg.sources],
         settings=cfg.model_dump(mode="json", exclude={"output", "overwrite", "data", "eval_data"})
-        | {"eval_data": cfg.eval_data},
+        | {"eval_data": cfg.eval_data, "forward_dtype": str(dtype).removeprefix("torch.")},
         num_windows=int(cs.windows.shape[0]),
         seq_len=cfg.seq_len,
         num_tokens=cs.num_tokens,

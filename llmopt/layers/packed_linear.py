@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import llmopt.native as native
+from llmopt.devices import onednn_supported
 from llmopt.layers.kernel_linear import KernelLinear
 from llmopt.layers.linear import FusedLinear, set_submodule
 
@@ -189,15 +190,6 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or dtype not in PACKED_DTYPES:
         return False
     return (dtype == torch.bfloat16 and vnni_kernel() is not None) or onednn_supported(dtype)
-
-
-def onednn_supported(dtype: torch.dtype) -> bool:
-    """Whether this torch build's oneDNN has a CPU matmul for `dtype` (bf16 needs AVX512 or AVX-NE-CONVERT)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 class PackedLinear(nn.Module):

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from llmopt.calibrate.manifest import MANIFEST, STATS, Manifest, ModelIdentity
 from llmopt.calibrate.progress import layer_progress
-from llmopt.calibrate.run import DTYPES, CalibrationDataConfig, sample_windows
+from llmopt.calibrate.run import CalibrationDataConfig, sample_windows
 from llmopt.calibrate.stats import SavedStats
 from llmopt.errors import LlmoptError
 from llmopt.io import atomic_directory, check_output_dir
@@ -70,12 +70,12 @@ def _head_dtype(model, checkpoint: CheckpointTensors) -> torch.dtype | None:
 
 
 def _search(cfg: QuantizeConfig, model, targets, windows: torch.Tensor, load, console: Console,
-            into: AutoPlan | None, head_dtype: torch.dtype | None) -> AutoPlan:
+            into: AutoPlan | None, head_dtype: torch.dtype | None, dtype: torch.dtype) -> AutoPlan:
     """`--scheme auto`: measure every candidate of every linear and choose under `--target-bits`."""
     from llmopt.models.loader import release
 
     opts = SearchOptions(method=cfg.method, candidates=cfg.candidates, symmetric=cfg.symmetric,
-                         forward_dtype=DTYPES[cfg.forward_dtype], damp=cfg.damp, block_size=cfg.block_size,
+                         forward_dtype=dtype, damp=cfg.damp, block_size=cfg.block_size,
                          act_order=bool(cfg.act_order), static_groups=cfg.static_groups, mse=bool(cfg.mse),
                          batch_tokens=cfg.batch_tokens, sample_tokens=cfg.auto_tokens or SAMPLE_TOKENS,
                          head=cfg.head_candidates(), head_dtype=head_dtype)
@@ -123,7 +123,7 @@ def quantize_model(cfg: QuantizeConfig, console: Console | None = None, plan: Au
 
 
 def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan | None, threads: int) -> QuantReport:
-    from llmopt.devices import resolve_device
+    from llmopt.devices import forward_dtype, resolve_device
     from llmopt.models.loader import build_empty, fill_module, release
     from llmopt.models.reader import CheckpointTensors
     from llmopt.models.resolve import resolve_model, weights_dir
@@ -141,6 +141,7 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
         raise LlmoptError(f"{resolved.path} is already quantized; quantize the original model")
     directory = weights_dir(resolved)
     device = resolve_device(cfg.device)
+    dtype = forward_dtype(cfg.forward_dtype, device)
     max_shard_bytes = parse_shard_size(cfg.max_shard_size)
     checkpoint = CheckpointTensors(directory)
     model = build_empty(resolved, torch.float32, device)
@@ -158,7 +159,7 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
     sample_s = time.perf_counter() - t0
     opts = SequentialOptions(method=cfg.method, act_order=act_order, static_groups=cfg.static_groups,
                              mse=cfg.mse, damp=cfg.damp, block_size=cfg.block_size,
-                             smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=DTYPES[cfg.forward_dtype],
+                             smoothquant_alpha=cfg.smoothquant_alpha, forward_dtype=dtype,
                              batch_tokens=cfg.batch_tokens)
     bytes_before = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     load_s = write_s = 0.0
@@ -175,7 +176,7 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
     if cfg.scheme == AUTO:
         assert windows is not None and cfg.target_bits is not None
         if plan is None or not plan.options:
-            plan = _search(cfg, model, targets, windows, load, console, into=plan, head_dtype=head_dtype)
+            plan = _search(cfg, model, targets, windows, load, console, into=plan, head_dtype=head_dtype, dtype=dtype)
             search_s = plan.seconds
         else:
             plan.reallocate(cfg.target_bits)
@@ -228,7 +229,8 @@ def _quantize_model(cfg: QuantizeConfig, console: Console | None, plan: AutoPlan
         timings["total"] = time.perf_counter() - started
         report = QuantReport(
             model=resolved.source, output=str(cfg.output), format=cfg.format,
-            settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}) | {"threads": threads},
+            settings=cfg.model_dump(mode="json", exclude={"output", "overwrite"}) | {"threads": threads,
+                                                                                "forward_dtype": str(dtype).removeprefix("torch.")},
             calibration=calib,
             modules=module_reports,
             ignored=[hf for t in targets if t.scheme is None for hf in t.parts if head is None or hf != head[0]],

@@ -149,7 +149,7 @@ class QuantizeConfig(BaseModel):
     threads: int | None = Field(None, ge=1)  # CPU threads (None: torch's default); GPTQ's rounding depends on it
     damp: float = Field(0.01, gt=0)
     block_size: int = Field(128, ge=1)
-    forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    forward_dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     batch_tokens: int = Field(4096, ge=1)
     smoothquant_alpha: float = Field(0.5, ge=0, le=1)
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # per safetensors shard, as transformers' save_pretrained

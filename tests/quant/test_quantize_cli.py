@@ -115,6 +115,9 @@ def test_threads_hold_for_the_run_and_are_put_back(tiny_llama, tmp_path):
     assert torch.get_num_threads() == before
     default = quantize_model(cfg.model_copy(update={"threads": None, "output": tmp_path / "d"}), Console(quiet=True))
     assert default.settings["threads"] == before
+    # the forward dtype `auto` resolved to on this CPU is what the report records
+    from llmopt.devices import forward_dtype
+    assert default.settings["forward_dtype"] == str(forward_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 
 
 def test_existing_output_dir_is_refused(tiny_llama, tmp_path, monkeypatch, capsys):
