@@ -431,9 +431,13 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // call. A pair row of 8 outputs becomes two vectors of 8 float32 weights, those of k and of k + 1, each multiplied
 // by its x broadcast, so a lane is one output and no horizontal sums are needed:
 // bf16: one 32-byte load, a shift (k) and a mask (k + 1), exact; int8: one vpmovsxbw of 16 bytes, then the two
-// halves of each dword sign-extended and converted; int4: 8 bytes by vpmovzxbd, each nibble or-ed into the mantissa
-// of 2^23 and 2^23 + 8 subtracted (q - 8, exact, without a conversion). int4 groups are summed apart and folded in by
-// their scales, as the AVX-512 passes do: every product exact at every row count (no panel is dequantized first).
+// halves of each dword sign-extended and converted; int4: 8 bytes by vpmovzxbd, each nibble masked or shifted and
+// converted: the code q (0..15), not q - 8, so each group sums q x, and 8 times the group's sum of x (once per row and
+// group, group_sum) is taken off when the group is folded in by its scales, as the AVX-512 passes fold theirs. 7
+// vector ops per 16 int4 weights instead of 9 (q - 8 by 2^23's mantissa and a subtraction, before session 44): one
+// row 16.4 -> 20.2 GB/s on the Zen 3 VM, whose 4 vector pipes the decode kept busy. Every product is exact at every
+// row count (no panel is dequantized first); int4 sums meet the float32 bound of the terms summed (q x and 8 x),
+// which exceeds that of (q - 8) x where codes sit near 8 (cancellation); on the tests' random data they meet q - 8's.
 #define MT_AVX2 6     // the most rows of a pass: 6 x 2 accumulators over one block of 16 outputs
 // Prefetch distances of the AVX2 passes (bytes; -D overrides them, for tuning): on the Zen 3 VM, prefetching every
 // line of a pass's pair rows took one row from 22.0 to 28.0 GB/s in bf16 and 17.5 to 27.5 in int8 (only the first
@@ -476,6 +480,19 @@ static inline void ps_to_bf16x8_n(uint16_t *p, __m256 v, int64_t n) {
     }
 }
 
+// The sum of x[0..n) in a fixed order whatever the compiler: 8 lanes over k, then ((0 + 4) + (2 + 6)) + ((1 + 5) +
+// (3 + 7)), then the tail in k order. A row's sums, so its result does not depend on its batch.
+static inline float group_sum(const float *x, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + k));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    float s = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+    for (; k < n; k++) s += x[k];
+    return s;
+}
+
 // rows x[0..mt) (float32) against nb blocks of 16 outputs of a panel whose pair rows hold vstride blocks (wp at the
 // first block of the pass); `valid` of the pass's outputs are written. int4: groups of `group` inputs folded in by
 // gscale (this pass's first output's scales, gstride bf16 from one group to the next). Inlined with constant mt,
@@ -484,11 +501,10 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
                                                             const int storage, const int nb, const int vstride,
                                                             const uint16_t *scale, const uint16_t *bias, uint16_t *y,
                                                             int64_t N, int64_t valid, int64_t group,
-                                                            const uint16_t *gscale, int64_t gstride) {
+                                                            const uint16_t *gscale, int64_t gstride,
+                                                            const float *xsum) {
     __m256 acc[MT_AVX2][8], gacc[MT_AVX2][8];  // [row][2 * block + half]: outputs 16 block + 8 half .. + 8
     const int grouped = storage == W_INT4;
-    const __m256i magic = _mm256_set1_epi32(0x4B000000);  // 2^23 as float32: q or-ed in is 2^23 + q
-    const __m256 minus = _mm256_set1_ps(8388616.f);        // 2^23 + 8
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < 2 * nb; j++) acc[m][j] = _mm256_setzero_ps();
     const int64_t span = grouped ? group : K;
@@ -518,9 +534,8 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
                     hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
                 } else {
                     const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + j * 8)));
-                    lo = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(d, _mm256_set1_epi32(15)),
-                                                                           magic)), minus);
-                    hi = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(d, 4), magic)), minus);
+                    lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));  // q, not q - 8
+                    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
                 }
                 for (int m = 0; m < mt; m++) {
                     const __m256 xa = _mm256_broadcast_ss(x + m * K + k), xb = _mm256_broadcast_ss(x + m * K + k + 1);
@@ -533,7 +548,9 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
             const uint16_t *gs = gscale + g * gstride;
             for (int j = 0; j < 2 * nb; j++) {
                 const __m256 sv = bf16x8_to_ps(gs + j * 8);
-                for (int m = 0; m < mt; m++) acc[m][j] = _mm256_fmadd_ps(gacc[m][j], sv, acc[m][j]);
+                for (int m = 0; m < mt; m++)  // sum(q x) - 8 sum(x) = sum((q - 8) x)
+                    acc[m][j] = _mm256_fmadd_ps(_mm256_sub_ps(gacc[m][j], _mm256_set1_ps(8.f * xsum[m * (K / group) + g])),
+                                                sv, acc[m][j]);
             }
         }
     }
@@ -547,14 +564,14 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
 }
 
 #define ACASE(mt, nb, st) case (mt) * 8 + (nb): \
-    pass_avx2(x, mt, K, wp, st, nb, vstride, scale, bias, y, N, valid, group, gscale, gstride); break;
+    pass_avx2(x, mt, K, wp, st, nb, vstride, scale, bias, y, N, valid, group, gscale, gstride, xsum); break;
 #define ACASES(st) switch (mt * 8 + nb) { \
     ACASE(1, 4, st) ACASE(1, 3, st) ACASE(1, 2, st) ACASE(1, 1, st) ACASE(2, 2, st) ACASE(2, 1, st) ACASE(3, 1, st) \
     ACASE(4, 1, st) ACASE(5, 1, st) ACASE(6, 1, st) default: break; }
 
 static void pass_avx2_any(const float *x, int mt, int64_t K, const void *wp, int storage, int nb, int vstride,
                           const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
-                          int64_t group, const uint16_t *gscale, int64_t gstride) {
+                          int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum) {
     if (storage == W_BF16) ACASES(W_BF16)
     else if (storage == W_INT8) ACASES(W_INT8)
     else ACASES(W_INT4)
@@ -566,7 +583,7 @@ static void pass_avx2_any(const float *x, int mt, int64_t K, const void *wp, int
 // double the accumulators: up to 3).
 static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv,
                        const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
-                       int64_t group, const uint16_t *gscale, int64_t gstride) {
+                       int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum) {
     const int grouped = storage == W_INT4, max_rows = grouped ? 3 : MT_AVX2;
     const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
     for (int64_t m0 = 0; m0 < M;) {
@@ -579,7 +596,8 @@ static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int
             if (vv <= 0) break;
             pass_avx2_any(x + m0 * K, mt, K, (const char *)wp + v0 * per_block, storage, nb, nv,
                           scale ? scale + v0 * 16 : NULL, bias ? bias + v0 * 16 : NULL, y + m0 * N + v0 * 16, N,
-                          vv, group, gscale ? gscale + v0 * 16 : NULL, gstride);
+                          vv, group, gscale ? gscale + v0 * 16 : NULL, gstride,
+                          xsum ? xsum + m0 * (K / group) : NULL);
         }
         m0 += mt;
     }
@@ -599,9 +617,12 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
         return 0;
     }
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
-    float *xf = x_float_buffer((size_t)(M * K));
+    const int64_t ng = storage == W_INT4 ? K / group : 0;
+    float *xf = x_float_buffer((size_t)(M * K + M * ng));
     if (!xf) return 2;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
+    float *xsum = ng ? xf + M * K : NULL;
+    for (int64_t i = 0; i < M * ng; i++) xsum[i] = group_sum(xf + i * group, group);
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {
@@ -613,7 +634,7 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
                                               : (const void *)((const uint16_t *)wp + n0 * K);
             panel_avx2(xf + m0 * K, rows, K, w, storage, (int)(width / 16), scale ? scale + n0 : NULL,
                        bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid, group,
-                       storage == W_INT4 ? gscale + n0 * (K / group) : NULL, width);
+                       storage == W_INT4 ? gscale + n0 * (K / group) : NULL, width, xsum ? xsum + m0 * ng : NULL);
         }
     return 0;
 }

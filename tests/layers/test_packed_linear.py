@@ -261,7 +261,8 @@ def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
     a 1 next to 2^24: vdpbf16ps adds each pair's odd product, then its even one (1, 2, 2^24 + 2, 2); the int4
     FMA passes add in k order (1, 2^24, 2^24, 0); the int8 FMA passes sum even k (1, 2^24, 0) and odd k (1)
     apart and add them (1). So `fma` is not a no-op, whichever CPU runs it. The AVX2 passes (CPUs without
-    AVX512-BF16) are float32 FMAs in k order for every storage, whatever the switch: 0 for both."""
+    AVX512-BF16) are float32 FMAs in k order for every storage, whatever the switch: int8 0; int4 sums the codes
+    (9, 9, 9 * 2^24 + 16, 9 * 2^24 + 32, 32) and takes off 8 times the group's sum of x, summed in 8 lanes (2): 16."""
     from llmopt.layers.packed_linear import pack_int4_vnni
 
     kernel = vnni_kernel()
@@ -276,7 +277,7 @@ def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
     int4 = kernel.int4(x, packed, gscale, k, None, n)
     int8 = kernel(x, pack_vnni(torch.ones(n, k, dtype=torch.int8)), None, n, torch.ones(n, dtype=torch.bfloat16))
     avx2 = kernel.isa == "avx2"
-    assert torch.equal(int4.float(), torch.full((1, n), 0.0 if fma or avx2 else 2.0))
+    assert torch.equal(int4.float(), torch.full((1, n), 16.0 if avx2 else 0.0 if fma else 2.0))
     assert torch.equal(int8.float(), torch.full((1, n), 0.0 if avx2 else 1.0 if fma else 2.0))
 
 
