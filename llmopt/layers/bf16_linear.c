@@ -434,15 +434,15 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // halves of each dword sign-extended and converted; int4: 8 bytes by vpmovzxbd, each nibble masked or shifted and
 // converted: the code q (0..15), not q - 8, so each group sums q x, and 8 times the group's sum of x (once per row and
 // group, group_sum) is taken off when the group is folded in by its scales, as the AVX-512 passes fold theirs. 7
-// vector ops per 16 int4 weights instead of 9 (q - 8 by 2^23's mantissa and a subtraction, before session 44): one
+// vector ops per 16 int4 weights instead of the 9 of making q - 8 exact (2^23's mantissa and a subtraction): one
 // row 16.4 -> 20.2 GB/s on the Zen 3 VM, whose 4 vector pipes the decode kept busy. Every product is exact at every
 // row count (no panel is dequantized first); int4 sums meet the float32 bound of the terms summed (q x and 8 x),
 // which exceeds that of (q - 8) x where codes sit near 8 (cancellation); on the tests' random data they meet q - 8's.
 #define MT_AVX2 6     // the most rows of a pass: 6 x 2 accumulators over one block of 16 outputs
 // Prefetch distances of the AVX2 passes (bytes; -D overrides them, for tuning): on the Zen 3 VM, prefetching every
 // line of a pass's pair rows took one row from 22.0 to 28.0 GB/s in bf16 and 17.5 to 27.5 in int8 (only the first
-// line of each was prefetched before); 2 and 4 KB ahead ran as 1 and 2 KB at one row, 1.04-1.06x at two
-// (docs/BENCHMARKS.md, "the AVX2 passes")
+// line of each was prefetched before); 2 and 4 KB ahead: as fast as 1 and 2 KB at one row, 1.04-1.06x faster at two
+// (docs/BENCHMARKS.md, "The AVX2 passes: the whole pair row prefetched")
 #ifndef PF_AVX2_BF16
 #define PF_AVX2_BF16 2048
 #endif
