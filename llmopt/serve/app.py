@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from llmopt._version import __version__
 from llmopt.engine.config import EngineConfig
 from llmopt.engine.llm_engine import LLMEngine
 from llmopt.models.tokenizer import load_tokenizer
@@ -101,6 +102,10 @@ def build_app(state: ServerState, on_fatal: Callable[[], None] | None = None) ->
             return JSONResponse({"status": "ok"})
         status = "draining" if state.draining else ("failed" if state.fatal else "starting")
         return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> Response:  # vLLM's: clients and probes read the server's version here
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:

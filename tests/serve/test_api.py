@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+import llmopt
 from llmopt import LLM, SamplingParams
 from tests.serve._server import MODEL_NAME
 
@@ -28,6 +29,7 @@ def client(server) -> openai.OpenAI:
 
 def test_health_models_and_metric_names(server):
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base_url + "/version").json() == {"version": llmopt.__version__}  # as vLLM's
     models = client(server).models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].owned_by == "llmopt"

@@ -52,8 +52,9 @@ def test_tokenize_and_detokenize_need_a_key_too(keyed):
         assert r.status_code == 200, r.text
 
 
-def test_health_and_metrics_stay_open(keyed):
+def test_health_metrics_and_version_stay_open(keyed):
     assert httpx.get(keyed.base_url + "/health").status_code == 200
+    assert httpx.get(keyed.base_url + "/version").status_code == 200
     r = httpx.get(keyed.base_url + "/metrics")
     assert r.status_code == 200 and "llmopt:num_requests_running" in r.text
 
