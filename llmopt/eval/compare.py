@@ -25,7 +25,7 @@ from llmopt.errors import LlmoptError
 from llmopt.eval.bisect import BisectResult, run_bisect
 from llmopt.eval.divergence import BaselineTopK
 from llmopt.eval.engines import build_llm, float32_notice, weight_bytes
-from llmopt.eval.metrics import mean_stderr
+from llmopt.eval.metrics import is_fraction, mean_stderr
 from llmopt.eval.options import EvalOptions
 from llmopt.eval.paired import (
     WINDOW_METRICS,
@@ -170,6 +170,10 @@ def _validate_gates(gates: list[ConfidenceGate], names: list[str], interval_name
         if g.metric not in names:
             raise LlmoptError(f"gate {cg.expression!r}: this run does not measure {g.metric!r} "
                               f"(available: {', '.join(names) or 'none'})")
+        if is_fraction(g.metric) and not 0 <= g.threshold <= 1:
+            drops = "" if g.metric.endswith("top1_agreement") else f"; its drop, {g.metric}_drop, is in points"
+            raise LlmoptError(f"gate {cg.expression!r}: {g.metric!r} is a fraction of 1 (write {g.metric}{g.op}"
+                              f"{g.threshold / 100:g} for {g.threshold:g}%){drops}")
         if cg.confidence is not None and g.metric not in interval_names:
             raise LlmoptError(f"gate {cg.expression!r}: {g.metric!r} has no interval; a confidence (@) applies to "
                               f"comparisons with --baseline ({', '.join(interval_names) or 'none in this run'})")

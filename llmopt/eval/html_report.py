@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llmopt.eval.metrics import is_fraction
 from llmopt.report.figures import bars_svg, intervals_svg
 from llmopt.report.html import (
     GateRow,
@@ -26,8 +27,6 @@ from llmopt.report.html import (
     table,
     verdict_of,
 )
-
-_FRACTION = ("acc", "acc_norm", "acc_bytes", "exact_match", "top1_agreement")
 
 
 def eval_gate_rows(data: dict[str, Any]) -> list[GateRow]:
@@ -47,12 +46,8 @@ def eval_gate_rows(data: dict[str, Any]) -> list[GateRow]:
     return rows
 
 
-def _pct(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in _FRACTION
-
-
 def _value(x: float | None, name: str) -> str:
-    return "-" if x is None else (f"{100 * x:.2f}%" if _pct(name) else num(x))
+    return "-" if x is None else (f"{100 * x:.2f}%" if is_fraction(name) else num(x))
 
 
 def _metrics_table(data: dict[str, Any]) -> Raw:
@@ -62,7 +57,7 @@ def _metrics_table(data: dict[str, Any]) -> Raw:
     rows = []
     for name, m in (data.get("metrics") or {}).items():
         iv = m.get("interval") or {}
-        scale, unit = (100.0, "%") if _pct(name) else (1.0, "")
+        scale, unit = (100.0, "%") if is_fraction(name) else (1.0, "")
         interval = "-" if iv.get("low") is None or iv.get("high") is None else \
             f"[{num(scale * iv['low'])}{unit}, {num(scale * iv['high'])}{unit}]"
         row: list[object] = [Raw(f"<code>{esc(name)}</code>")]

@@ -23,6 +23,15 @@ import numpy as np
 
 from llmopt.eval.loglikelihood import Scored
 
+# metrics that are fractions of 1 (reports show them as percentages; a gate's threshold must be one too), where
+# their drops against a baseline (`acc_drop`) are in points
+FRACTION_METRICS = ("acc", "acc_norm", "acc_bytes", "exact_match", "top1_agreement")
+
+
+def is_fraction(name: str) -> bool:
+    """Whether `name` (bare, or `task.metric`) is one of FRACTION_METRICS."""
+    return name.rsplit(".", 1)[-1] in FRACTION_METRICS
+
 
 def multiple_choice_scores(scored: Sequence[Scored], choices: Sequence[str],
                            gold: int | list[int]) -> dict[str, float]:

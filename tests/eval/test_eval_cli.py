@@ -173,6 +173,9 @@ def test_confidence_gates_end_to_end(tiny_llama, other_llama, data, tmp_path, mo
     ("tiny_mc.acc>=0.5@95", "'tiny_mc.acc' has no interval"),
     ("acc_drop<=1@", "cannot parse gate"),
     ("acc_drops<=1@95", "does not measure 'acc_drops'"),
+    ("tiny_mc.acc>=70", "'tiny_mc.acc' is a fraction of 1 (write tiny_mc.acc>=0.7 for 70%); its drop, "
+                        "tiny_mc.acc_drop, is in points"),
+    ("top1_agreement>=90@95", "'top1_agreement' is a fraction of 1 (write top1_agreement>=0.9 for 90%)"),
 ])
 def test_bad_confidence_gate_is_one_line_exit_2(gate, message, tiny_llama, data, tmp_path, monkeypatch, capsys):
     task = write_task(tmp_path / "t")
