@@ -96,9 +96,26 @@ def test_each_step_size_and_dtype_gets_its_implementation():
     assert kernels.choose(torch.bfloat16, torch.device("cuda"), 1) is Ops.EAGER
 
 
-def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama):
+def test_prefill_attention_widens_16_bit_only_where_the_cpu_has_no_matmul_for_it(monkeypatch):
+    from llmopt.layers.attention import head_major
+
+    cpu = torch.device("cpu")
+    assert head_major.prefill_dtype(torch.float32, cpu) == torch.float32
+    assert head_major.prefill_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setitem(head_major._onednn_cache, torch.bfloat16, False)
+    assert head_major.prefill_dtype(torch.bfloat16, cpu) == torch.float32
+    monkeypatch.setitem(head_major._onednn_cache, torch.bfloat16, True)
+    assert head_major.prefill_dtype(torch.bfloat16, cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama, widen, monkeypatch):
     """A bf16 engine runs its big prefill steps compiled (and says so per step); its first tokens and
-    their logprobs agree with an enforce_eager engine's."""
+    their logprobs agree with an enforce_eager engine's, with prefill attention in bf16 and in float32 (what CPUs
+    without a bf16 matmul run: both paths on every CPU)."""
+    from llmopt.layers.attention import head_major
+
+    monkeypatch.setitem(head_major._onednn_cache, torch.bfloat16, not widen)
     compiled = LLM(str(tiny_llama), dtype="bfloat16")
     eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
     assert compiled.engine.runner.attn_backend.allow_compiled and not eager.engine.runner.attn_backend.allow_compiled

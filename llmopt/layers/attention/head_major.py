@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import llmopt.native as native
+from llmopt.devices import onednn_supported
 from llmopt.layers import kernels
 from llmopt.layers.attention.backend import AttentionBackend, DecodeItem, PrefillItem
 from llmopt.layers.attention.head_major_metadata import DecodeGroup, HeadMajorMetadata, PrefillChunk
@@ -32,6 +33,24 @@ COMPILED_ATTENTION_MAX_SCORES = 0 if native.cpu_has("amx_bf16") else 2048 * 4096
 # prefill chunks run prefill_attention.c on AMX tiles (1.1-2.7x torch's flash SDPA, docs/BENCHMARKS.md "Prefill
 # attention on AMX tiles"), over their own K/V or a cached context gathered (and dequantized) from the pool
 AMX_PREFILL = native.cpu_has("amx_bf16")
+
+
+def prefill_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What a prefill chunk's attention multiplies in: its own dtype, but float32 for 16-bit inputs on a CPU whose
+    oneDNN has no matmul for them (AVX2-only CPUs: torch's bf16 matmul ran 10x slower there than float32, and the
+    compiled attention was 78% of a 1,024-token SmolLM2 prefill; docs/BENCHMARKS.md, "the AVX2 passes")."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or _onednn(dtype):
+        return dtype
+    return torch.float32
+
+
+_onednn_cache: dict[torch.dtype, bool] = {}
+
+
+def _onednn(dtype: torch.dtype) -> bool:
+    if dtype not in _onednn_cache:
+        _onednn_cache[dtype] = onednn_supported(dtype)
+    return _onednn_cache[dtype]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
@@ -167,15 +186,12 @@ class HeadMajorBackend(AttentionBackend):
                     start = end
                     continue
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
-            if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
-                # contiguous: the compiled function is traced for one stride layout (a chunk's own K/V
-                # is a view of the fused qkv output, a cached context a gathered copy), and a full layer's
-                # window is one no context reaches, so full and sliding layers share one graph
-                outs.append(kernels.call(Ops.COMPILED, causal_attention, q[start:end].contiguous(), kc.contiguous(),
-                                         vc.contiguous(), layer.scale, chunk.ctx_len - chunk.q_len,
-                                         layer.window or NO_WINDOW))
+            wide = prefill_dtype(q.dtype, q.device)
+            if wide != q.dtype:  # a CPU with no fast matmul in q's dtype: float32, the result back in q's
+                outs.append(_prefill_chunk(meta, layer, q[start:end].to(wide), kc.to(wide), vc.to(wide), mask,
+                                          chunk).to(q.dtype))
             else:
-                outs.append(_prefill_sdpa(layer, q[start:end], kc, vc, mask))
+                outs.append(_prefill_chunk(meta, layer, q[start:end], kc, vc, mask, chunk))
             start = end
         kernel = self.decode_kernel(q, pool, layer) if meta.decode_groups else None
         for i, group in enumerate(meta.decode_groups):
@@ -190,6 +206,19 @@ class HeadMajorBackend(AttentionBackend):
                 mask = mask[..., group.starts[g] * self.block_size:]
             outs.append(_decode(layer, qg, pool, idx, group.blocks[g], mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _prefill_chunk(meta: HeadMajorMetadata, layer: PagedAttention, q: torch.Tensor, kc: torch.Tensor,
+                   vc: torch.Tensor, mask: torch.Tensor | None, chunk: PrefillChunk) -> torch.Tensor:
+    """One prefill chunk's attention where no native kernel took it: the compiled function for small chunks,
+    SDPA past COMPILED_ATTENTION_MAX_SCORES."""
+    if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
+        # contiguous: the compiled function is traced for one stride layout (a chunk's own K/V is a view of the
+        # fused qkv output, a cached context a gathered copy), and a full layer's window is one no context
+        # reaches, so full and sliding layers share one graph
+        return kernels.call(Ops.COMPILED, causal_attention, q.contiguous(), kc.contiguous(), vc.contiguous(),
+                            layer.scale, chunk.ctx_len - chunk.q_len, layer.window or NO_WINDOW)
+    return _prefill_sdpa(layer, q, kc, vc, mask)
 
 
 def _prefill_sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
