@@ -2,7 +2,7 @@
 
 A step's tokens are its prefill chunks, then its decodes. A prefill chunk runs SDPA with a causal mask offset
 by its cached prefix (or the compiled `causal_attention`; on a CPU with AMX tiles, the AMX kernel of
-prefill_attention.c); decodes run in groups of similar context length
+prefill_attention.c; in float32 on a CPU with no matmul for its 16-bit dtype, `prefill_dtype`); decodes run in groups of similar context length
 (bf16 or float32 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
 entries for blocks that left the window point at a placeholder block (read, masked; the kernel skips them)."""
 
