@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ def resolve_device(device: str) -> torch.device:
 FORWARD_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+@functools.cache
 def onednn_supported(dtype: torch.dtype) -> bool:
     """Whether this torch build's oneDNN has a CPU matmul for `dtype` (bf16 needs AVX512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():

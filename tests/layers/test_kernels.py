@@ -102,9 +102,9 @@ def test_prefill_attention_widens_16_bit_only_where_the_cpu_has_no_matmul_for_it
     cpu = torch.device("cpu")
     assert head_major.prefill_dtype(torch.float32, cpu) == torch.float32
     assert head_major.prefill_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
-    monkeypatch.setitem(head_major._onednn_cache, torch.bfloat16, False)
+    monkeypatch.setattr(head_major, "onednn_supported", lambda dtype: False)
     assert head_major.prefill_dtype(torch.bfloat16, cpu) == torch.float32
-    monkeypatch.setitem(head_major._onednn_cache, torch.bfloat16, True)
+    monkeypatch.setattr(head_major, "onednn_supported", lambda dtype: True)
     assert head_major.prefill_dtype(torch.bfloat16, cpu) == torch.bfloat16
 
 
@@ -115,7 +115,7 @@ def test_engine_bf16_prefill_compiled_agrees_with_eager(tiny_llama, widen, monke
     without a bf16 matmul run: both paths on every CPU)."""
     from llmopt.layers.attention import head_major
 
-    monkeypatch.setitem(head_major._onednn_cache, torch.bfloat16, not widen)
+    monkeypatch.setattr(head_major, "onednn_supported", lambda dtype: not widen)
     compiled = LLM(str(tiny_llama), dtype="bfloat16")
     eager = LLM(str(tiny_llama), dtype="bfloat16", enforce_eager=True)
     assert compiled.engine.runner.attn_backend.allow_compiled and not eager.engine.runner.attn_backend.allow_compiled

@@ -39,18 +39,9 @@ def prefill_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What a prefill chunk's attention multiplies in: its own dtype, but float32 for 16-bit inputs on a CPU whose
     oneDNN has no matmul for them (AVX2-only CPUs: torch's bf16 matmul ran 10x slower there than float32, and the
     compiled attention was 78% of a 1,024-token SmolLM2 prefill; docs/BENCHMARKS.md, "the AVX2 passes")."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or _onednn(dtype):
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_supported(dtype):
         return dtype
     return torch.float32
-
-
-_onednn_cache: dict[torch.dtype, bool] = {}
-
-
-def _onednn(dtype: torch.dtype) -> bool:
-    if dtype not in _onednn_cache:
-        _onednn_cache[dtype] = onednn_supported(dtype)
-    return _onednn_cache[dtype]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
