@@ -29,7 +29,14 @@ from llmopt.bench.ab_report import AbReport, AbSideResult, render_ab
 from llmopt.bench.config import BenchConfig
 from llmopt.bench.gate_metrics import RATIO_SUFFIX, RUN_METRICS
 from llmopt.bench.http_target import HttpTarget, ServerMetrics, check_reachable
-from llmopt.bench.levels import engine_target_info, http_level, level_label, load_tokenizer, offline_level
+from llmopt.bench.levels import (
+    engine_target_info,
+    http_level,
+    level_label,
+    load_tokenizer,
+    offline_level,
+    probe_http,
+)
 from llmopt.bench.load import LoadPattern, LoadResult, make_progress
 from llmopt.bench.offline import OfflineEngineTarget
 from llmopt.bench.report import BenchReport, TargetInfo
@@ -164,11 +171,11 @@ async def _http_rounds(cfg: BenchConfig, pattern: LoadPattern, works: Sequence[S
     assert cfg.ab is not None
     targets = [HttpTarget(side.http) for side in cfg.ab.sides]  # type: ignore[arg-type]
     try:
-        for t in targets:
+        for t, w in zip(targets, works[0], strict=True):
             await t.prepare()
-            for w in works[0]:
-                if not is_conversations(w):
-                    t.validate_requests(w)  # type: ignore[arg-type]
+            if not is_conversations(w):
+                t.validate_requests(w)  # type: ignore[arg-type]
+            await probe_http(t, w)
         infos = [TargetInfo(kind="http", url=t.base_url, model=t.model, endpoint=t.config.endpoint,
                             server=t.owned_by) for t in targets]
         results: list[list[tuple[LoadResult, ServerMetrics | None, str]]] = [[], []]

@@ -209,6 +209,17 @@ class HttpTarget:
         if self.config.send_ignore_eos is None:
             self.send_ignore_eos = self.owned_by == OUR_OWNER
 
+    async def probe(self, chat: bool) -> None:
+        """One short request before the run, as vLLM's bench sends: a client error here (a model name the
+        server does not serve, a missing API key, an endpoint it lacks) would fail every request of the run,
+        so it stops the run in one line. Server errors and overload (5xx, 429) stay results, counted as
+        ever. The prompt is not the workload's, so no prefix cache is warmed by it."""
+        prompt: str | list[dict[str, str]] = [{"role": "user", "content": "Hi"}] if chat else "Hi"
+        rec = await self.send(BenchRequest(prompt=prompt, max_tokens=1))  # type: ignore[arg-type]
+        code = rec.error_code or ""
+        if code.startswith("http_4") and code not in ("http_408", "http_429"):
+            raise LlmoptError(f"{self.base_url} refused a test request, so every request would fail: {rec.error}")
+
     def endpoint_for(self, req: BenchRequest) -> Literal["completions", "chat"]:
         """The API a request goes to; token-id prompts cannot go to chat."""
         if self.config.endpoint == "auto":

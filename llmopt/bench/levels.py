@@ -35,6 +35,15 @@ def offline_level(target: OfflineEngineTarget, work: Work, pattern: LoadPattern,
                       description=description)
 
 
+async def probe_http(target: HttpTarget, work: Work) -> None:
+    """`HttpTarget.probe` on the API the work's requests go to, before its first level."""
+    if is_conversations(work):
+        chat = target.config.endpoint != "completions"  # as conversation_driver.run_http sends them
+    else:
+        chat = bool(work) and target.endpoint_for(work[0]) == "chat"  # type: ignore[arg-type]
+    await target.probe(chat)
+
+
 async def http_level(target: HttpTarget, work: Work, pattern: LoadPattern, *, warmup: int,
                      progress: Progress, description: str | None = None
                      ) -> tuple[LoadResult, ServerMetrics | None]:

@@ -25,7 +25,14 @@ from llmopt.bench.ab_report import AbReport, write_ab_json, write_ab_markdown
 from llmopt.bench.config import BenchConfig
 from llmopt.bench.gate_metrics import check_report_gates, check_scenario_gates
 from llmopt.bench.http_target import HttpTarget, ServerMetrics, check_reachable
-from llmopt.bench.levels import engine_target_info, http_level, level_label, load_tokenizer, offline_level
+from llmopt.bench.levels import (
+    engine_target_info,
+    http_level,
+    level_label,
+    load_tokenizer,
+    offline_level,
+    probe_http,
+)
 from llmopt.bench.load import LoadPattern, LoadResult, make_progress
 from llmopt.bench.offline import Batching, OfflineEngineTarget
 from llmopt.bench.report import (
@@ -324,6 +331,7 @@ async def _http_sweep(cfg: BenchConfig, works: list[Work], progress: Progress
         for work in works:
             if not is_conversations(work):
                 target.validate_requests(work)  # type: ignore[arg-type]
+        await probe_http(target, works[0])
         info = TargetInfo(kind="http", url=target.base_url, model=target.model, endpoint=cfg.http.endpoint,
                           server=target.owned_by)
         for pattern in cfg.loads:

@@ -125,6 +125,10 @@ class ScriptedSSEServer:
             await self._plain(writer, "500 Internal Server Error",
                               '{"error": {"message": "engine exploded"}}', "application/json")
             return
+        if model == "err404":  # what vLLM answers for a model it does not serve
+            await self._plain(writer, "404 Not Found", '{"error": {"message": "The model `err404` does not exist.", '
+                              '"type": "NotFoundError", "code": 404}}', "application/json")
+            return
         if model == "slow":
             await asyncio.sleep(5)
         self.prefix_queries += 10

@@ -63,7 +63,8 @@ def test_server_against_itself_and_a_faster_server(fake_server, tiny_llama, tmp_
     thr = rep.ratios["output_throughput"]
     assert abs(thr.ratio - 1) < 0.1
     # every run had its own prompts: no run can be served from another's prefix cache
-    prompts = [b["prompt"] for b in fake_server.bodies]
+    assert [b["max_tokens"] for b in fake_server.bodies[:2]] == [1, 1]  # each side's test request first
+    prompts = [b["prompt"] for b in fake_server.bodies[2:]]
     assert len(prompts) == 4 * 2 * 4 and len(set(prompts)) == len(prompts)
     assert rep.run(0).server_metrics.prefix_cache_hit_rate == pytest.approx(0.6)  # from the server's /metrics
     code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--ab", f"url={fake_server.url},served-model=tiny",

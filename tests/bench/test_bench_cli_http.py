@@ -32,8 +32,10 @@ def test_sweep_against_a_server_with_metrics(fake_server, tiny_llama, tmp_path, 
         assert run.total_output_tokens == 12 and run.total_input_tokens == 4 * USAGE_PROMPT_TOKENS
         # the server counted 6 hits per 10 queries for every request; the warm-up is not in the diff
         assert run.server_metrics.prefix_cache_queries == 40 and run.server_metrics.prefix_cache_hit_rate == 0.6
-    assert len(fake_server.bodies) == 2 * (1 + 4)  # a warm-up request before each level
-    assert all(b["ignore_eos"] is True and b["max_tokens"] == 3 for b in fake_server.bodies)  # our server
+    probe, *sent = fake_server.bodies
+    assert probe["prompt"] == "Hi" and probe["max_tokens"] == 1  # the test request before the run
+    assert len(sent) == 2 * (1 + 4)  # a warm-up request before each level
+    assert all(b["ignore_eos"] is True and b["max_tokens"] == 3 for b in sent)  # our server
     assert "knee (" in out and "gate PASS completed>=4" in out
 
 
@@ -46,6 +48,21 @@ def test_server_errors_are_counted_not_fatal(fake_server, tiny_llama, monkeypatc
     code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--served-model", "midstream_error", "--gate", "failed<=0")
     assert code == 1 and "failed<=0 (measured 3)" in err
     assert "stream_error:" in out
+
+
+def test_a_model_the_server_does_not_serve_stops_the_run(fake_server, tiny_llama, monkeypatch, capsys):
+    """A server answers 404 for a model name it does not serve (vLLM's answer here), and every request
+    would fail: the test request before the run stops it in one line, exit 2, not a report of failures
+    with exit 0. Server errors (5xx) stay results (the test above)."""
+    base = ["--tokenizer", str(tiny_llama), "--input-len", "4", "--output-len", "3", "--num-prompts", "3",
+            "--no-progress"]
+    fake_server.bodies.clear()
+    code, out, err = run_bench_cli(monkeypatch, capsys, "--url", fake_server.url, *base, "--served-model", "err404")
+    assert code == 2 and "refused a test request" in err and "`err404` does not exist" in err
+    assert len(err.strip().splitlines()) == 1 and len(fake_server.bodies) == 1  # nothing sent past the test
+    code, out, err = run_bench_cli(monkeypatch, capsys, *base, "--ab", fake_server.url,
+                                   "--ab", f"url={fake_server.url},served-model=err404", "--rounds", "2")
+    assert code == 2 and "`err404` does not exist" in err
 
 
 def test_jsonl_workload_needs_no_tokenizer(fake_server, tmp_path, monkeypatch, capsys):
@@ -99,6 +116,10 @@ def test_bench_against_llmopt_serve(tiny_llama, tmp_path):
                             "--json", "s.json", "--no-progress"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
+        wrong = subprocess.run([sys.executable, "-m", "llmopt", "bench", "--url", url, "--tokenizer", str(tiny_llama),
+                                "--served-model", "not-served", "--num-prompts", "2", "--no-progress"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 2 and "'not-served' does not exist" in wrong.stderr, wrong.stderr
         rep = load_report(tmp_path / "s.json")
         assert rep.target.kind == "http"
         for run in rep.runs:

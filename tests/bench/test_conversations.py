@@ -69,7 +69,7 @@ def test_http_conversations_resend_the_answers(fake_server, tiny_llama, tmp_path
     run = load_report(tmp_path / "h.json").runs[0]
     assert [t.completed for t in run.turns] == [2, 2, 2]
     assert run.server_metrics.prefix_cache_hit_rate == pytest.approx(0.6)  # the server's own counters
-    third = [b["messages"] for b in fake_server.bodies if len(b["messages"]) == 5]
+    third = [b["messages"] for b in fake_server.bodies if len(b["messages"]) == 5]  # the test request has 1
     assert len(third) == 2  # user, assistant, user, assistant, user
     assert [m["role"] for m in third[0]] == ["user", "assistant", "user", "assistant", "user"]
     assert third[0][1]["content"] == "abab"  # the answer the server streamed, sent back as history

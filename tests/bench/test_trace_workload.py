@@ -91,8 +91,9 @@ def test_replay_over_http(fake_server, tiny_llama, tmp_path, monkeypatch, capsys
     assert code == 0, err
     run = load_report(tmp_path / "h.json").runs[0]
     assert run.completed == 3 and run.duration_s >= 0.6  # 300 ms, doubled
-    assert [b["max_tokens"] for b in fake_server.bodies] == [2, 3, 4]
-    prompts = [b["prompt"] for b in fake_server.bodies]
+    probe, *sent = fake_server.bodies  # the test request before the run, then the trace
+    assert probe["max_tokens"] == 1 and [b["max_tokens"] for b in sent] == [2, 3, 4]
+    prompts = [b["prompt"] for b in sent]
     assert all(isinstance(p, str) for p in prompts) and len(set(prompts)) == 3
 
 
