@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 
 from llmopt.calibrate.manifest import MANIFEST, STATS, Manifest, ModelIdentity, data_record
@@ -34,6 +34,13 @@ class CalibrationDataConfig(BaseModel):
     chat_template: bool = False
     eval_data: list[str] = []
     allow_overlap: bool = False
+
+    @field_validator("data")
+    @classmethod
+    def _parse_specs(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            DataSource.parse(spec)  # a bad PATH:WEIGHT fails here, before any model loads
+        return v
 
     @property
     def sources(self) -> list[DataSource]:

@@ -11,6 +11,7 @@ no text column is an error.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,14 +44,21 @@ class DataSource(BaseModel):
 
     @classmethod
     def parse(cls, spec: str) -> DataSource:
-        """`PATH` or `PATH:WEIGHT` (a trailing `:number`; Windows drive letters are not a concern here)."""
+        """`PATH` or `PATH:WEIGHT` (a trailing `:number`; Windows drive letters are not a concern here). A
+        weight that is not a positive number is an error (it used to make PATH:0 a path that was not found);
+        a file whose name itself ends in `:number` is read as it is."""
         head, sep, tail = spec.rpartition(":")
-        if sep and head:
-            try:
-                return cls(path=head, weight=float(tail))
-            except ValueError:
-                pass
-        return cls(path=spec)
+        if not (sep and head):
+            return cls(path=spec)
+        try:
+            weight = float(tail)
+        except ValueError:
+            return cls(path=spec)
+        if Path(spec).expanduser().exists():
+            return cls(path=spec)
+        if not (math.isfinite(weight) and weight > 0):
+            raise LlmoptError(f"{spec}: the weight after ':' must be a positive number, got {tail}")
+        return cls(path=head, weight=weight)
 
     @property
     def is_local(self) -> bool:

@@ -35,6 +35,7 @@ def test_calibrate_then_quantize_with_it(tiny_llama, tmp_path, monkeypatch, caps
     (["--data", "no/such/file.jsonl"], "could not be loaded"),
     (["--data", "README.md", "--observer", "fancy"], "invalid observer"),
     (["--data", "README.md", "--threads", "0"], "invalid threads"),
+    (["--data", "README.md:0"], "the weight after ':' must be a positive number, got 0"),
 ])
 def test_calibrate_errors_are_one_line(tiny_llama, tmp_path, monkeypatch, capsys, args, msg):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

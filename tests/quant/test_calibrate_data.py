@@ -49,6 +49,11 @@ def test_every_local_format_reads_the_same_texts(corpus):
 def test_source_spec_weight_and_errors(corpus, monkeypatch):
     assert DataSource.parse("a/b.jsonl:2.5") == DataSource(path="a/b.jsonl", weight=2.5)
     assert DataSource.parse("wikitext").weight == 1.0
+    for bad in ("a/b.txt:0", "a/b.txt:-1", "a/b.txt:nan", "a/b.txt:inf"):
+        with pytest.raises(LlmoptError, match="weight after ':' must be a positive number"):
+            DataSource.parse(bad)
+    (corpus / "odd.txt:0").write_text("a file whose name ends in :0")
+    assert DataSource.parse(str(corpus / "odd.txt:0")) == DataSource(path=str(corpus / "odd.txt:0"))
     (corpus / "x.bin").write_text("?")
     with pytest.raises(LlmoptError, match="unknown data format"):
         load_texts(DataSource(path=str(corpus / "x.bin")))
