@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from llmopt.bench.config import BenchOptions
 from llmopt.calibrate.run import CalibrateConfig
@@ -192,6 +192,20 @@ class Recipe(BaseModel):
     eval: EvalSection | None = None  # type: ignore[valid-type]
     serve: ServeSection | None = None
     bench: BenchSection | None = None  # type: ignore[valid-type]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        return empty_sections_filled(data)
+
+
+def empty_sections_filled(data: Any) -> Any:
+    """`eval:` with nothing under it is the section with every default, as `eval: {}` is: present, it
+    enables its stage (YAML reads it as null, which silently skipped the stage)."""
+    if not isinstance(data, dict):
+        return data
+    sections = set(Recipe.model_fields) - {"model", "description"}
+    return {k: {} if k in sections and v is None else v for k, v in data.items()}
 
 
 def recipe_json_schema() -> dict[str, Any]:

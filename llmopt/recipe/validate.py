@@ -28,7 +28,7 @@ from llmopt.recipe.keys import unknown_keys
 from llmopt.recipe.loader import RecipeSource, load_recipe_file
 from llmopt.recipe.overrides import apply_overrides
 from llmopt.recipe.resolved import ResolvedRecipe, locate_issue
-from llmopt.recipe.schema import Recipe
+from llmopt.recipe.schema import Recipe, empty_sections_filled
 from llmopt.recipe.skip_gates import drop_gates
 from llmopt.recipe.stages import STAGE_NAMES, STAGES, Stage
 from llmopt.recipe.suggest import did_you_mean
@@ -92,7 +92,7 @@ def resolve_recipe(path: str | Path, overrides: Sequence[str] = (), env: Mapping
     """Steps 1-4: a typed recipe, or RecipeInvalid with every problem of the first failing step."""
     source = load_recipe_file(path)
     env = os.environ if env is None else env
-    data, issues = interpolate(source.data, env)
+    data, issues = interpolate(empty_sections_filled(source.data), env)
     if issues:
         raise RecipeInvalid([locate_issue(source, set(), i.path, i.message) for i in issues])
     data, overridden, issues = apply_overrides(data, overrides)

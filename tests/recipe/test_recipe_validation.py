@@ -109,6 +109,8 @@ CASES = [
     Case("missing-task-file", sub("kb_mc.yaml", "nope.yaml"), "15: eval.tasks[0]", "eval task file not found"),
     Case("missing-model", sub(f"model: {LLAMA_CONFIG}", "model: ./no-such-model"), "1: model", "not found"),
     Case("missing-required-key", drop_lines(1), "1: model", "required key missing"),
+    # an empty section enables its stage with every default (it used to be read as null and skipped)
+    Case("empty-section", lambda t: drop_lines(10, 11)(t), "9: quantize.scheme", "required key missing"),
     Case("duplicate-key", lambda t: t + "model: other\n", "23: model",
          "duplicate key 'model' (first written on line 1)"),
     Case("bad-yaml-syntax", sub("  method: rtn", "   method: rtn"), "11", "invalid YAML: mapping values are not allowed"),
