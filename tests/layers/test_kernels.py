@@ -96,7 +96,7 @@ def test_each_step_size_and_dtype_gets_its_implementation():
     assert kernels.choose(torch.bfloat16, torch.device("cuda"), 1) is Ops.EAGER
 
 
-def test_prefill_attention_widens_16_bit_only_where_the_cpu_has_no_matmul_for_it(monkeypatch):
+def test_prefill_attention_widens_16_bit_and_takes_sdpa_only_where_the_cpu_has_no_matmul_for_it(monkeypatch):
     from llmopt.layers.attention import head_major
 
     cpu = torch.device("cpu")
@@ -104,8 +104,12 @@ def test_prefill_attention_widens_16_bit_only_where_the_cpu_has_no_matmul_for_it
     assert head_major.prefill_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     monkeypatch.setattr(head_major, "onednn_supported", lambda dtype: False)
     assert head_major.prefill_dtype(torch.bfloat16, cpu) == torch.float32
+    assert head_major.compiled_attention_max_scores(cpu) == 0  # SDPA at every size there (measured on Zen 3)
     monkeypatch.setattr(head_major, "onednn_supported", lambda dtype: True)
     assert head_major.prefill_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    amx = head_major.native.cpu_has("amx_bf16")
+    assert head_major.compiled_attention_max_scores(cpu) == (0 if amx else head_major.COMPILED_ATTENTION_MAX_SCORES)
+    assert head_major.compiled_attention_max_scores(torch.device("cuda")) == head_major.COMPILED_ATTENTION_MAX_SCORES
 
 
 @pytest.mark.parametrize("widen", [False, True])

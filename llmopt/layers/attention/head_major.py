@@ -28,8 +28,9 @@ NO_WINDOW = 1 << 40  # a full layer's window for the compiled prefill function (
 MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (longer) one
 # past this many query x context positions a chunk uses SDPA, which streams what `causal_attention` holds. With
 # AMX tiles (amx_bf16), torch's SDPA is 3-12x faster than the compiled function at every size (16 to 2,048
-# tokens, docs/BENCHMARKS.md "AMX"), so such a CPU always uses SDPA.
-COMPILED_ATTENTION_MAX_SCORES = 0 if native.cpu_has("amx_bf16") else 2048 * 4096
+# tokens, docs/BENCHMARKS.md "AMX"), so such a CPU always uses SDPA; so does a CPU without bf16 matmuls (AVX2
+# only), where prefill attention runs in float32 and SDPA was 1.8-4.4x faster (64 to 2,048 tokens, Zen 3).
+COMPILED_ATTENTION_MAX_SCORES = 2048 * 4096
 # prefill chunks run prefill_attention.c on AMX tiles (1.1-2.7x torch's flash SDPA, docs/BENCHMARKS.md "Prefill
 # attention on AMX tiles"), over their own K/V or a cached context gathered (and dequantized) from the pool
 AMX_PREFILL = native.cpu_has("amx_bf16")
@@ -42,6 +43,13 @@ def prefill_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_supported(dtype):
         return dtype
     return torch.float32
+
+
+def compiled_attention_max_scores(device: torch.device) -> int:
+    """COMPILED_ATTENTION_MAX_SCORES, or 0 (SDPA at every size) on the CPUs named there."""
+    if device.type == "cpu" and (native.cpu_has("amx_bf16") or not onednn_supported(torch.bfloat16)):
+        return 0
+    return COMPILED_ATTENTION_MAX_SCORES
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
@@ -202,8 +210,8 @@ class HeadMajorBackend(AttentionBackend):
 def _prefill_chunk(meta: HeadMajorMetadata, layer: PagedAttention, q: torch.Tensor, kc: torch.Tensor,
                    vc: torch.Tensor, mask: torch.Tensor | None, chunk: PrefillChunk) -> torch.Tensor:
     """One prefill chunk's attention where no native kernel took it: the compiled function for small chunks,
-    SDPA past COMPILED_ATTENTION_MAX_SCORES."""
-    if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= COMPILED_ATTENTION_MAX_SCORES:
+    SDPA past compiled_attention_max_scores."""
+    if meta.ops is Ops.COMPILED and chunk.q_len * chunk.ctx_len <= compiled_attention_max_scores(q.device):
         # contiguous: the compiled function is traced for one stride layout (a chunk's own K/V is a view of the
         # fused qkv output, a cached context a gathered copy), and a full layer's window is one no context
         # reaches, so full and sliding layers share one graph
