@@ -493,6 +493,25 @@ static inline float group_sum(const float *x, int64_t n) {
     return s;
 }
 
+// Half j of a pair row (8 outputs, at k and k + 1) as float32 weights: bf16 exactly; int8 and int4 as their codes
+// (int4: q, not q - 8), which the passes and the GEMM multiply and scale the same way.
+static inline __attribute__((always_inline)) void pair_row_ps(const char *row, const int j, const int storage,
+                                                              __m256 *lo, __m256 *hi) {
+    if (storage == W_BF16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + j * 32));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else if (storage == W_INT8) {
+        const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j * 16)));
+        *lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+        *hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+    } else {
+        const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + j * 8)));
+        *lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));  // q, not q - 8
+        *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
+    }
+}
+
 // rows x[0..mt) (float32) against nb blocks of 16 outputs of a panel whose pair rows hold vstride blocks (wp at the
 // first block of the pass); `valid` of the pass's outputs are written. int4: groups of `group` inputs folded in by
 // gscale (this pass's first output's scales, gstride bf16 from one group to the next). Inlined with constant mt,
@@ -524,19 +543,7 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
                              _MM_HINT_T0);
             for (int j = 0; j < 2 * nb; j++) {
                 __m256 lo, hi;  // the 8 outputs' weights at k and at k + 1
-                if (storage == W_BF16) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(row + j * 32));
-                    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
-                } else if (storage == W_INT8) {
-                    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j * 16)));
-                    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-                    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
-                } else {
-                    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + j * 8)));
-                    lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));  // q, not q - 8
-                    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
-                }
+                pair_row_ps(row, j, storage, &lo, &hi);
                 for (int m = 0; m < mt; m++) {
                     const __m256 xa = _mm256_broadcast_ss(x + m * K + k), xb = _mm256_broadcast_ss(x + m * K + k + 1);
                     if (grouped) gacc[m][j] = _mm256_fmadd_ps(hi, xb, _mm256_fmadd_ps(lo, xa, gacc[m][j]));
@@ -563,6 +570,116 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
     }
 }
 
+// The AVX2 GEMM, for items of GEMM_ROWS_AVX2 rows or more (prefill): each 16-output block of the panel widened to
+// float32 once per item ([K][16], pair_row_ps's values), then up to 6 rows at a time over it, as BLIS's 6 x 16
+// kernel runs: per k two loads of the block, one broadcast of x per row, 12 FMAs, where the passes convert the
+// weights once per pass and broadcast each x twice (once per 8 outputs). Every sum is the passes' own, term by
+// term in the same order (int4: q x per group, its fold by the same operations), so the results equal theirs
+// bit for bit, at any row count. int4's running sums stay in memory (the group's take the registers), touched once
+// per group. On the Zen 3 VM (SmolLM2's layers, 2 threads): 159-169 GFLOP/s from 64 rows against the passes'
+// 113-125 (torch's float32 sgemm: 152-167), 1.3-1.4x at 32 rows, 1.1-1.3x at 12; at 4-8 rows the passes are as
+// fast or faster (docs/BENCHMARKS.md, "An AVX2 GEMM for prefill").
+#ifndef GEMM_ROWS_AVX2
+#define GEMM_ROWS_AVX2 12
+#endif
+
+static float *gemm_buffer(size_t n) {  // n float32 (a widened block)
+    static _Thread_local struct scratch s;
+    return (float *)scratch_at_least(&s, n * sizeof(float));
+}
+
+// the block at wp (pair rows vstride blocks apart) as float32 [K][16]
+static void widen_block_avx2(const char *wp, const int storage, const int vstride, int64_t K, float *out) {
+    const int64_t pair_row = (storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16) * (int64_t)vstride;
+    for (int64_t k = 0; k < K; k += 2) {
+        const char *row = wp + (k / 2) * pair_row;
+        _mm_prefetch(row + 8 * pair_row, _MM_HINT_T0);
+        for (int j = 0; j < 2; j++) {
+            __m256 lo, hi;
+            pair_row_ps(row, j, storage, &lo, &hi);
+            _mm256_storeu_ps(out + k * 16 + j * 8, lo);
+            _mm256_storeu_ps(out + (k + 1) * 16 + j * 8, hi);
+        }
+    }
+}
+
+// rows x[0..mt) against one widened block wb ([K][16] float32); y, scale, bias, gscale at the block's first output
+static inline __attribute__((always_inline)) void gemm_avx2(const float *x, const int mt, int64_t K, const float *wb,
+                                                            const int grouped, const uint16_t *scale,
+                                                            const uint16_t *bias, uint16_t *y, int64_t N,
+                                                            int64_t valid, int64_t group, const uint16_t *gscale,
+                                                            int64_t gstride, const float *xsum) {
+    __m256 acc[6][2];
+    float sums[6][16];  // int4: the running sums, per group folded in
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 2; j++) acc[m][j] = _mm256_setzero_ps();
+    if (grouped)
+        for (int m = 0; m < mt; m++)
+            for (int j = 0; j < 2; j++) _mm256_storeu_ps(sums[m] + j * 8, _mm256_setzero_ps());
+    const int64_t span = grouped ? group : K;
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += span, g++) {
+        if (grouped)
+            for (int m = 0; m < mt; m++)
+                for (int j = 0; j < 2; j++) acc[m][j] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k0 + span; k++) {
+            const __m256 w0 = _mm256_loadu_ps(wb + k * 16), w1 = _mm256_loadu_ps(wb + k * 16 + 8);
+            for (int m = 0; m < mt; m++) {
+                const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+                acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+            }
+        }
+        if (grouped) {  // the end of a group: fold its sums in by its scales, as the passes do
+            const uint16_t *gs = gscale + g * gstride;
+            for (int j = 0; j < 2; j++) {
+                const __m256 sv = bf16x8_to_ps(gs + j * 8);
+                for (int m = 0; m < mt; m++)
+                    _mm256_storeu_ps(sums[m] + j * 8,
+                                     _mm256_fmadd_ps(_mm256_sub_ps(acc[m][j], _mm256_set1_ps(8.f * xsum[m * (K / group) + g])),
+                                                     sv, _mm256_loadu_ps(sums[m] + j * 8)));
+            }
+        }
+    }
+    if (grouped)
+        for (int m = 0; m < mt; m++)
+            for (int j = 0; j < 2; j++) acc[m][j] = _mm256_loadu_ps(sums[m] + j * 8);
+    #pragma GCC unroll 2
+    for (int j = 0; j < 2; j++) {  // no `break`: a loop left early keeps acc in memory, and the k loop storing it
+        const int64_t left = valid - j * 8;
+        if (left > 0) {
+            const __m256 s = scale ? bf16x8_to_ps_n(scale + j * 8, left) : _mm256_set1_ps(1.f);
+            const __m256 b = bias ? bf16x8_to_ps_n(bias + j * 8, left) : _mm256_setzero_ps();
+            for (int m = 0; m < mt; m++) ps_to_bf16x8_n(y + m * N + j * 8, _mm256_fmadd_ps(acc[m][j], s, b), left);
+        }
+    }
+}
+
+#define GCASE_AVX2(mt, gr) case mt: \
+    gemm_avx2(x + m0 * K, mt, K, wb, gr, sc, bi, y + m0 * N + v * 16, N, vv, group, gs, gstride, \
+              xsum ? xsum + m0 * (K / group) : NULL); break;
+#define GCASES_AVX2(gr) switch (M - m0 < 6 ? M - m0 : 6) { \
+    GCASE_AVX2(1, gr) GCASE_AVX2(2, gr) GCASE_AVX2(3, gr) GCASE_AVX2(4, gr) GCASE_AVX2(5, gr) GCASE_AVX2(6, gr) \
+    default: break; }
+
+// Rows x[0..M) against a whole panel of nv blocks, block by block, each widened into wb (see gemm_avx2).
+static void gemm_panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv,
+                            const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
+                            int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum, float *wb) {
+    const int grouped = storage == W_INT4;
+    const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
+    for (int v = 0; v < nv; v++) {
+        const int64_t vv = valid - v * 16;
+        if (vv <= 0) break;
+        widen_block_avx2((const char *)wp + v * per_block, storage, nv, K, wb);
+        const uint16_t *sc = scale ? scale + v * 16 : NULL, *bi = bias ? bias + v * 16 : NULL;
+        const uint16_t *gs = gscale ? gscale + v * 16 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+            if (grouped) GCASES_AVX2(1)
+            else GCASES_AVX2(0)
+        }
+    }
+}
+
 #define ACASE(mt, nb, st) case (mt) * 8 + (nb): \
     pass_avx2(x, mt, K, wp, st, nb, vstride, scale, bias, y, N, valid, group, gscale, gstride, xsum); break;
 #define ACASES(st) switch (mt * 8 + nb) { \
@@ -584,6 +701,11 @@ static void pass_avx2_any(const float *x, int mt, int64_t K, const void *wp, int
 static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv,
                        const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
                        int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum) {
+    float *wb = M >= GEMM_ROWS_AVX2 ? gemm_buffer((size_t)(K * 16)) : NULL;
+    if (wb) {  // (without its buffer, the passes: the same bits)
+        gemm_panel_avx2(x, M, K, wp, storage, nv, scale, bias, y, N, valid, group, gscale, gstride, xsum, wb);
+        return;
+    }
     const int grouped = storage == W_INT4, max_rows = grouped ? 3 : MT_AVX2;
     const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
     for (int64_t m0 = 0; m0 < M;) {
@@ -603,9 +725,9 @@ static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int
     }
 }
 
-// bf16_linear's and bf16_linear_int4's work on AVX2: items of one panel x M_CHUNK rows over the threads. No panel
-// is widened to bf16 first at any row count: the int8 and int4 passes decode each weight once per pass of up to 6
-// (int4: 3) rows, and at 8-16 rows they ran as many products per second as the bf16 passes (docs/BENCHMARKS.md).
+// bf16_linear's and bf16_linear_int4's work on AVX2: items of one panel x M_CHUNK rows over the threads. Items of
+// up to GEMM_ROWS_AVX2 rows run the passes, which decode each weight once per pass of up to 6 (int4: 3) rows; bigger
+// ones the GEMM over float32 blocks. Both give the same bits.
 static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
                     const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int64_t group, const uint16_t *gscale) {
     if (M > X_ROWS_AVX2) {  // x in float32 a block of rows at a time: the buffer kept stays small at prefill sizes
@@ -620,7 +742,9 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
     const int64_t ng = storage == W_INT4 ? K / group : 0;
     float *xf = x_float_buffer((size_t)(M * K + M * ng));
     if (!xf) return 2;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
+    int64_t e = 0;
+    for (; e + 8 <= M * K; e += 8) _mm256_storeu_ps(xf + e, bf16x8_to_ps(x + e));  // (a scalar loop was ~10% of
+    for (; e < M * K; e++) xf[e] = bf16_to_f(x[e]);                               // a 192-row GEMM call)
     float *xsum = ng ? xf + M * K : NULL;
     for (int64_t i = 0; i < M * ng; i++) xsum[i] = group_sum(xf + i * group, group);
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)

@@ -301,7 +301,8 @@ def test_avx2_passes_meet_the_float32_summation_bound(avx2_kernel, n, k, group):
     whole panel, 2 over half of it, more over a quarter, up to 6 or, int4, 3), mid work item (47-49) and past it,
     past a round of x's conversion to float32 (193, 250), with outputs that are not a whole vector, block or panel:
     within the bound of the exact product (every product is exact: no panel is dequantized at any row count). A row
-    alone equals the same row in a batch, bitwise: its sums run in k order whatever the pass shape."""
+    alone equals the same row in a batch, bitwise: its sums run in k order whatever the pass shape, and work items
+    of 12 rows or more (the GEMM over float32 blocks) sum the same terms in the same order as the passes."""
     from llmopt.layers.packed_linear import pack_int4_vnni
 
     g = torch.Generator().manual_seed(n + k)
@@ -320,7 +321,7 @@ def test_avx2_passes_meet_the_float32_summation_bound(avx2_kernel, n, k, group):
     x_all = torch.randn(250, k, generator=g).to(torch.bfloat16)  # past 192 rows x is converted in rounds
     for storage, (call, weight, scale) in calls.items():
         batched = call(x_all)
-        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 47, 48, 49, 100, 193, 250):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 47, 48, 49, 60, 100, 193, 250):
             got = call(x_all[:rows])
             ok, worst = within_bf16_linear_bound(got, x_all[:rows], weight, bias, scale)
             assert ok, f"{storage}, {rows} rows: error {worst:.2f}x the bound"
