@@ -636,10 +636,11 @@ static inline __attribute__((always_inline)) void gemm_avx2(const float *x, cons
             const uint16_t *gs = gscale + g * gstride;
             for (int j = 0; j < 2; j++) {
                 const __m256 sv = bf16x8_to_ps(gs + j * 8);
-                for (int m = 0; m < mt; m++)
-                    _mm256_storeu_ps(sums[m] + j * 8,
-                                     _mm256_fmadd_ps(_mm256_sub_ps(acc[m][j], _mm256_set1_ps(8.f * xsum[m * (K / group) + g])),
-                                                     sv, _mm256_loadu_ps(sums[m] + j * 8)));
+                for (int m = 0; m < mt; m++) {
+                    const __m256 q8x = _mm256_set1_ps(8.f * xsum[m * (K / group) + g]);
+                    _mm256_storeu_ps(sums[m] + j * 8, _mm256_fmadd_ps(_mm256_sub_ps(acc[m][j], q8x), sv,
+                                                                      _mm256_loadu_ps(sums[m] + j * 8)));
+                }
             }
         }
     }
