@@ -580,8 +580,8 @@ static inline __attribute__((always_inline)) void pass_avx2(const float *x, cons
 // term in the same order (int4: q x per group, its fold by the same operations), so the results equal theirs
 // bit for bit, at any row count. int4's running sums stay in memory (the group's take the registers), touched once
 // per group. On the Zen 3 VM (SmolLM2's layers, 2 threads): 159-169 GFLOP/s from 64 rows against the passes'
-// 113-125 (torch's float32 sgemm: 152-167), 1.3-1.4x at 32 rows, 1.1-1.3x at 12; at 4-8 rows the passes are as
-// fast or faster (docs/BENCHMARKS.md, "An AVX2 GEMM for prefill").
+// 113-125 (torch's float32 sgemm: 150-167), 1.3-1.4x at 32 rows, 1.1-1.3x at 12; at 4-8 rows the passes are as
+// fast or faster (docs/BENCHMARKS.md, "An AVX2 GEMM for prefill, and SDPA for prefill attention").
 #ifndef GEMM_ROWS_AVX2
 #define GEMM_ROWS_AVX2 12
 #endif
