@@ -109,6 +109,44 @@ def test_kernel_over_quantized_codes(codes, heads, kv_heads, head_dim, window, s
     assert not torch.allclose(got.float(), wrong, atol=2e-2, rtol=1e-2)
 
 
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory):
+    """paged_decode.c built without AVX-512 (-mno-avx512f): the AVX2 path that CPUs without AVX512-BF16 run,
+    tested on every CPU with AVX2 and FMA, AVX-512 ones (CI's) included."""
+    from llmopt import native
+
+    cc = compiler()
+    if cc is None or not (native.cpu_has("avx2") and native.cpu_has("fma")):
+        pytest.skip("no C compiler, or a CPU without AVX2 and FMA")
+    return pdk.PagedDecodeKernel(native.build(pdk.SOURCE, cc, tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",)))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 128), (4, 1, 256), (6, 2, 40)])
+@pytest.mark.parametrize("codes", [None, "int8"])
+@pytest.mark.parametrize("window,start_block", [(0, 0), (37, 2)])
+def test_avx2_path_equals_gather_and_sdpa(avx2_kernel, heads, kv_heads, head_dim, codes, window, start_block):
+    """Head sizes 64/128/256 (q.k 8 positions at a time, score tiles of fewer than 8 where a window starts
+    mid-block; p.v 64 values of one head per pass), 40 the portable loop; bf16 pools and int8 codes."""
+    gen = torch.Generator().manual_seed(heads + head_dim + window)
+    lens = torch.tensor([200, 190, 61, 33], dtype=torch.long)
+    n = -(-200 // BS) - start_block
+    blocks = torch.stack([torch.randperm(96, generator=gen)[:n] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    if codes is None:
+        kf = torch.randn(kv_heads, 96 * BS, head_dim, generator=gen).to(torch.bfloat16)
+        vf = torch.randn(kv_heads, 96 * BS, head_dim, generator=gen).to(torch.bfloat16)
+        got = avx2_kernel(q, kf, vf, blocks, lens, start_block, BS, window, scale)
+    else:
+        cache, kf, vf = _filled_pool(codes, kv_heads, head_dim, gen)
+        got = avx2_kernel(q, cache.k[0], cache.v[0], blocks, lens, start_block, BS, window, scale, codes,
+                          cache.k_scale[0], cache.v_scale[0])
+    ref = _reference(q, kf, vf, blocks, lens, start_block, window, scale)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=1e-2)
+    wrong = _reference(q, kf.float() * 1.1, vf, blocks, lens, start_block, window, scale)  # the check can fail
+    assert not torch.allclose(got.float(), wrong, atol=2e-2, rtol=1e-2)
+
+
 @needs_cc
 @pytest.mark.parametrize("codes", ["int8", "fp8"])
 @pytest.mark.parametrize("static", [False, True])

@@ -4,7 +4,7 @@
 // codes are turned into bf16 a block at a time (exactly: every int8 and e4m3 value is a bf16 value) and
 // their scales applied to the scores (K) and to the softmax weights (V), so a quantized pool costs a
 // conversion of the codes, not a copy of the context. Head sizes 64, 128 and 256 run vectorized with
-// AVX512-BF16 where the CPU has it (attend_vec), others portably. An fp32 engine's pool holds float32
+// AVX512-BF16 where the CPU has it (attend_vec), or else with AVX2 (attend_avx2), others portably. An fp32 engine's pool holds float32
 // values, and its queries and outputs are float32 too (attend_f32). Built and loaded by
 // paged_decode_kernel.py; head_major.py calls it for decode groups on a CPU, and so does the native
 // decode step (llmopt/step), which also writes quantized K/V rows with `paged_kv_quantize` below.
@@ -211,6 +211,86 @@ static inline __attribute__((always_inline)) void weighted_v(const pool_t *v, co
 
 #endif
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_ATTEND
+#include <immintrin.h>
+// The same attention on AVX2 (CPUs without AVX512-BF16), for head sizes that are multiples of 64. The portable
+// loop sums each q.k product with a horizontal reduction and keeps each head's output in memory, a load and a
+// store per 8 values and position; here:
+// - q.k: 8 positions at a time, bf16 K rows widened in registers, their 8 reductions done together (hsum8);
+// - p.v: 64 output values of one query head in 8 registers over the whole context, one pass per head and 64.
+// 1.23-1.46x the portable loop per call on the Zen 3 VM (8 sequences, 300-800 positions, SmolLM2's and Llama-3's
+// head layouts; docs/BENCHMARKS.md, "An AVX2 GEMM for prefill, and SDPA for prefill attention").
+static inline __m256 bf16x8_ps(const uint16_t *p) {  // exact
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 hsum8(const __m256 *v) {  // lane j = the sum of v[j]'s lanes
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline __attribute__((always_inline)) void attend_avx2(
+        const uint16_t *q, const pool_t *k, const pool_t *v, const int64_t *table, int64_t lo, int64_t hi,
+        int64_t first, int64_t G, const int64_t D, int64_t bs, float scale, uint16_t *out, float *buf) {
+    const int64_t DV = D / 8, span = hi - lo;
+    float *qf = buf, *sc = qf + G * D, sum[64], mx[64];
+    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f(q[i]);
+    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    for (int64_t p = lo, r0, r1; p < hi;) {  // scores, 8 positions of a block at a time
+        const float *rs;
+        const uint16_t *blk = (const uint16_t *)block_run(k, table, p, hi, first, bs, D, &r0, &r1, &rs);
+        for (int64_t r = r0; r < r1; r += 8) {
+            const int64_t n = r1 - r < 8 ? r1 - r : 8;
+            for (int64_t g = 0; g < G; g++) {
+                __m256 dots[8];
+                for (int64_t j = 0; j < 8; j++) {
+                    __m256 a = _mm256_setzero_ps();
+                    if (j < n)
+                        for (int64_t t = 0; t < DV; t++)
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + 8 * t),
+                                                bf16x8_ps(blk + (r + j) * D + 8 * t), a);
+                    dots[j] = a;
+                }
+                float s8[8];
+                _mm256_storeu_ps(s8, _mm256_mul_ps(hsum8(dots), _mm256_set1_ps(scale)));
+                float *dst = sc + g * span + p - lo, m = mx[g];
+                for (int64_t j = 0; j < n; j++) {
+                    const float s = rs ? s8[j] * rs[r + j] : s8[j];
+                    dst[j] = s;
+                    m = s > m ? s : m;
+                }
+                mx[g] = m;
+            }
+            p += n;
+        }
+    }
+    exp_scores(sc, span, G, mx, sum);
+    for (int64_t g = 0; g < G; g++)  // weighted sum of V: 64 values of one head per pass
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t p = lo, r0, r1; p < hi;) {
+                const float *rs;
+                const uint16_t *blk = (const uint16_t *)block_run(v, table, p, hi, first, bs, D, &r0, &r1, &rs);
+                for (int64_t r = r0; r < r1; r++, p++) {
+                    const float w = rs ? sc[g * span + p - lo] * rs[r] : sc[g * span + p - lo];
+                    const __m256 wv = _mm256_set1_ps(w);
+                    for (int t = 0; t < 8; t++)
+                        acc[t] = _mm256_fmadd_ps(wv, bf16x8_ps(blk + r * D + d0 + 8 * t), acc[t]);
+                }
+            }
+            const __m256 inv = _mm256_set1_ps(sum[g] > 0.f ? 1.f / sum[g] : 0.f);
+            for (int t = 0; t < 8; t++) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[t], inv));
+                for (int i = 0; i < 8; i++) out[g * D + d0 + 8 * t + i] = f_to_bf16(tmp[i]);
+            }
+        }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // The same attention with AVX512-BF16, for head sizes that are multiples of 32 (DV = D / 32 vectors of
 // 32 bf16 per row). The scalar loop above sums each q.k product with a horizontal reduction and keeps
@@ -342,6 +422,8 @@ typedef void (*attend_fn)(const uint16_t *, const pool_t *, const pool_t *, cons
                           int64_t, int64_t, int64_t, int64_t, float, uint16_t *, float *);
 #if defined(__AVX512BF16__)
 #define ATTEND_IMPL attend_vec
+#elif defined(HAVE_AVX2_ATTEND)
+#define ATTEND_IMPL attend_avx2
 #else
 #define ATTEND_IMPL attend
 #endif
