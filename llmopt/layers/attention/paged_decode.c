@@ -4,8 +4,8 @@
 // codes are turned into bf16 a block at a time (exactly: every int8 and e4m3 value is a bf16 value) and
 // their scales applied to the scores (K) and to the softmax weights (V), so a quantized pool costs a
 // conversion of the codes, not a copy of the context. Head sizes 64, 128 and 256 run vectorized with
-// AVX512-BF16 where the CPU has it (attend_vec), or else with AVX2 (attend_avx2), others portably. An fp32 engine's pool holds float32
-// values, and its queries and outputs are float32 too (attend_f32). Built and loaded by
+// AVX512-BF16 where the CPU has it (attend_vec), or else with AVX2 (attend_avx2), others portably. An fp32
+// engine's pool holds float32 values, and its queries and outputs are float32 too (attend_f32). Built and loaded by
 // paged_decode_kernel.py; head_major.py calls it for decode groups on a CPU, and so does the native
 // decode step (llmopt/step), which also writes quantized K/V rows with `paged_kv_quantize` below.
 // Compiled with -ffast-math (vectorized expf and reductions) but linked without it, so loading it does
