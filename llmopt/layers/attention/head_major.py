@@ -2,8 +2,9 @@
 
 A step's tokens are its prefill chunks, then its decodes. A prefill chunk runs SDPA with a causal mask offset
 by its cached prefix (or the compiled `causal_attention`; on a CPU with AMX tiles, the AMX kernel of
-prefill_attention.c; in float32 on a CPU with no matmul for its 16-bit dtype, `prefill_dtype`); decodes run in groups of similar context length
-(bf16 or float32 on a CPU: the paged decode kernel; else one block gather + one SDPA each). A sliding layer's table
+prefill_attention.c; SDPA in float32 on a CPU with no matmul for its 16-bit dtype, `prefill_dtype`); decodes run
+in groups of similar context length (bf16 or float32 on a CPU: the paged decode kernel; else one block gather + one
+SDPA each). A sliding layer's table
 entries for blocks that left the window point at a placeholder block (read, masked; the kernel skips them)."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def prefill_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def compiled_attention_max_scores(device: torch.device) -> int:
     """COMPILED_ATTENTION_MAX_SCORES, or 0 (SDPA at every size) on the CPUs named there."""
-    if device.type == "cpu" and (native.cpu_has("amx_bf16") or not onednn_supported(torch.bfloat16)):
+    if device.type == "cpu" and (AMX_PREFILL or not onednn_supported(torch.bfloat16)):
         return 0
     return COMPILED_ATTENTION_MAX_SCORES
 
@@ -185,12 +186,9 @@ class HeadMajorBackend(AttentionBackend):
                     start = end
                     continue
             mask = chunk.mask if layer.window is None else meta.window_prefill_mask(i, layer.window)
-            wide = prefill_dtype(q.dtype, q.device)
-            if wide != q.dtype:  # a CPU with no fast matmul in q's dtype: float32, the result back in q's
-                outs.append(_prefill_chunk(meta, layer, q[start:end].to(wide), kc.to(wide), vc.to(wide), mask,
-                                          chunk).to(q.dtype))
-            else:
-                outs.append(_prefill_chunk(meta, layer, q[start:end], kc, vc, mask, chunk))
+            wide = prefill_dtype(q.dtype, q.device)  # float32 where the CPU has no fast matmul in q's dtype
+            outs.append(_prefill_chunk(meta, layer, q[start:end].to(wide), kc.to(wide), vc.to(wide), mask,
+                                      chunk).to(q.dtype))  # (.to of a tensor's own dtype returns it, no copy)
             start = end
         kernel = self.decode_kernel(q, pool, layer) if meta.decode_groups else None
         for i, group in enumerate(meta.decode_groups):
