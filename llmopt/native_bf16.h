@@ -1,5 +1,5 @@
-// bf16 <-> float32 (with AVX512F, 16 at a time; with AVX512-BF16, int8 -> bf16) for our C kernels (llmopt/native.py
-// puts this folder on their include path and hashes this file into each build's cache key).
+// bf16 <-> float32 (with AVX2, 8 at a time; with AVX512F, 16; with AVX512-BF16, int8 -> bf16) for our C kernels
+// (llmopt/native.py puts this folder on their include path and hashes this file into each build's cache key).
 #ifndef LLMOPT_NATIVE_BF16_H
 #define LLMOPT_NATIVE_BF16_H
 #include <stdint.h>
@@ -13,6 +13,15 @@ static inline uint16_t f_to_bf16(float f) {  // round to nearest even, as torch 
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);  // NaN stays NaN
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+// 8 bf16 as 8 float32, exact: bf16_linear.c's AVX2 passes (x, scales) and paged_decode.c's AVX2 K/V rows.
+static inline __m256 bf16x8_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>

@@ -451,10 +451,6 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 #endif
 #define X_ROWS_AVX2 192  // rows of x converted to float32 per round (4 work items of M_CHUNK rows)
 
-static inline __m256 bf16x8_to_ps(const uint16_t *p) {  // 8 bf16 as float32, exact
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 static inline __m256 bf16x8_to_ps_n(const uint16_t *p, int64_t n) {  // the first n of 8 (zeros past them)
     if (n >= 8) return bf16x8_to_ps(p);
     uint16_t t[8] = {0};

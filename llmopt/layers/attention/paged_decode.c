@@ -221,10 +221,6 @@ static inline __attribute__((always_inline)) void weighted_v(const pool_t *v, co
 // - p.v: 64 output values of one query head in 8 registers over the whole context, one pass per head and 64.
 // 1.23-1.46x the portable loop per call on the Zen 3 VM (8 sequences, 300-800 positions, SmolLM2's and Llama-3's
 // head layouts; docs/BENCHMARKS.md, "An AVX2 GEMM for prefill, and SDPA for prefill attention").
-static inline __m256 bf16x8_ps(const uint16_t *p) {  // exact
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 static inline __m256 hsum8(const __m256 *v) {  // lane j = the sum of v[j]'s lanes
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
@@ -250,7 +246,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
                     if (j < n)
                         for (int64_t t = 0; t < DV; t++)
                             a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + 8 * t),
-                                                bf16x8_ps(blk + (r + j) * D + 8 * t), a);
+                                                bf16x8_to_ps(blk + (r + j) * D + 8 * t), a);
                     dots[j] = a;
                 }
                 float s8[8];
@@ -278,7 +274,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
                     const float w = rs ? sc[g * span + p - lo] * rs[r] : sc[g * span + p - lo];
                     const __m256 wv = _mm256_set1_ps(w);
                     for (int t = 0; t < 8; t++)
-                        acc[t] = _mm256_fmadd_ps(wv, bf16x8_ps(blk + r * D + d0 + 8 * t), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(wv, bf16x8_to_ps(blk + r * D + d0 + 8 * t), acc[t]);
                 }
             }
             const __m256 inv = _mm256_set1_ps(sum[g] > 0.f ? 1.f / sum[g] : 0.f);
