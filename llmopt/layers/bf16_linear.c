@@ -426,6 +426,7 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_PASSES
 #include <immintrin.h>
+#include <omp.h>
 // The AVX2 passes, for CPUs without AVX512-BF16 (AMD's Zen 2 and 3, Intel cores before Cooper Lake; oneDNN has no
 // bf16 kernels there either): the same panels, every storage multiplied in float32 FMAs on x converted once per
 // call. A pair row of 8 outputs becomes two vectors of 8 float32 weights, those of k and of k + 1, each multiplied
@@ -661,13 +662,14 @@ static inline __attribute__((always_inline)) void gemm_avx2(const float *x, cons
     GCASE_AVX2(1, gr) GCASE_AVX2(2, gr) GCASE_AVX2(3, gr) GCASE_AVX2(4, gr) GCASE_AVX2(5, gr) GCASE_AVX2(6, gr) \
     default: break; }
 
-// Rows x[0..M) against a whole panel of nv blocks, block by block, each widened into wb (see gemm_avx2).
-static void gemm_panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv,
+// Rows x[0..M) against blocks [vb, ve) of a panel of nv blocks, block by block, each widened into wb (see
+// gemm_avx2).
+static void gemm_panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv, int vb, int ve,
                             const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
                             int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum, float *wb) {
     const int grouped = storage == W_INT4;
     const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
-    for (int v = 0; v < nv; v++) {
+    for (int v = vb; v < ve; v++) {
         const int64_t vv = valid - v * 16;
         if (vv <= 0) break;
         widen_block_avx2((const char *)wp + v * per_block, storage, nv, K, wb);
@@ -694,26 +696,31 @@ static void pass_avx2_any(const float *x, int mt, int64_t K, const void *wp, int
     else ACASES(W_INT4)
 }
 
-// Rows x[0..M) against a whole panel of nv blocks: one row over the whole panel (one stream, in order; int4's group
-// sums then spill a few of the 16 accumulators, which ran 1.07x faster than two passes over half the panel); two
-// rows over 2 blocks at a time; more over one block at a time, up to MT_AVX2 rows per pass (int4, whose group sums
-// double the accumulators: up to 3).
-static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv,
+// Rows x[0..M) against blocks [vb, ve) of a panel of nv blocks (the whole panel, or a thread's share of it): one row
+// over up to the whole panel (one stream, in order; int4's group sums then spill a few of the 16 accumulators, which
+// ran 1.07x faster than two passes over half the panel); two rows over 2 blocks at a time; more over one block at a
+// time, up to max_rows per pass (bf16 5, int8 MT_AVX2, int4 3: its group sums double the accumulators).
+static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int storage, int nv, int vb, int ve,
                        const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
                        int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum) {
     float *wb = M >= GEMM_ROWS_AVX2 ? gemm_buffer((size_t)(K * 16)) : NULL;
     if (wb) {  // (without its buffer, the passes: the same bits)
-        gemm_panel_avx2(x, M, K, wp, storage, nv, scale, bias, y, N, valid, group, gscale, gstride, xsum, wb);
+        gemm_panel_avx2(x, M, K, wp, storage, nv, vb, ve, scale, bias, y, N, valid, group, gscale, gstride, xsum, wb);
         return;
     }
-    const int grouped = storage == W_INT4, max_rows = grouped ? 3 : MT_AVX2;
+    // bf16 up to 5 rows a pass (6 rows as 3 + 3, 11 as 4 + 4 + 3: 4-9% faster than 6 and 6 + 5 on the Zen 3 VM; int8,
+    // bound by its conversions, ran 12-17% slower at 6 rows as 3 + 3 than as one pass)
+    const int grouped = storage == W_INT4, max_rows = grouped ? 3 : storage == W_BF16 ? 5 : MT_AVX2;
     const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
     for (int64_t m0 = 0; m0 < M;) {
-        const int64_t left = M - m0;
-        const int mt = (int)(left < max_rows ? left : max_rows);
+        // as few passes as max_rows allows, of even size: 8 rows as 4 + 4, not 5 + 3 or 6 + 2 (bf16 7-11% faster at
+        // 7-9 rows than 6 + 1 .. 6 + 3, int8 1-3%: each pass decodes the weights once, and a short one keeps too few
+        // FMAs busy)
+        const int64_t left = M - m0, passes = (left + max_rows - 1) / max_rows;
+        const int mt = (int)((left + passes - 1) / passes);
         const int want = mt == 1 ? 4 : mt == 2 && !grouped ? 2 : 1;
-        for (int v0 = 0; v0 < nv; v0 += want) {
-            const int nb = nv - v0 < want ? nv - v0 : want;
+        for (int v0 = vb; v0 < ve; v0 += want) {
+            const int nb = ve - v0 < want ? ve - v0 : want;
             const int64_t vv = valid - v0 * 16;
             if (vv <= 0) break;
             pass_avx2_any(x + m0 * K, mt, K, (const char *)wp + v0 * per_block, storage, nb, nv,
@@ -725,9 +732,23 @@ static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int
     }
 }
 
-// bf16_linear's and bf16_linear_int4's work on AVX2: items of one panel x M_CHUNK rows over the threads. Items of
-// up to GEMM_ROWS_AVX2 rows run the passes, which decode each weight once per pass of up to 6 (int4: 3) rows; bigger
-// ones the GEMM over float32 blocks. Both give the same bits.
+// Rows [m0, m0 + rows) of x (float32) against blocks [vb, ve) of panel p
+static void item_avx2(const float *xf, int64_t m0, int64_t rows, int64_t K, const void *wp, int storage, int64_t n16,
+                      int64_t p, int vb, int ve, const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N,
+                      int64_t group, const uint16_t *gscale, const float *xsum) {
+    const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
+    const int64_t valid = N - n0 < width ? N - n0 : width, ng = storage == W_INT4 ? K / group : 0;
+    const void *w = storage == W_INT8 ? (const void *)((const int8_t *)wp + n0 * K)
+                  : storage == W_INT4 ? (const void *)((const uint8_t *)wp + n0 * K / 2)
+                                      : (const void *)((const uint16_t *)wp + n0 * K);
+    panel_avx2(xf + m0 * K, rows, K, w, storage, (int)(width / 16), vb, ve,
+               scale ? scale + n0 : NULL, bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid, group,
+               storage == W_INT4 ? gscale + n0 * ng : NULL, width, xsum ? xsum + m0 * ng : NULL);
+}
+
+// bf16_linear's and bf16_linear_int4's work on AVX2: 16-output blocks x chunks of M_CHUNK rows, an equal run of them
+// per thread. Chunks of up to GEMM_ROWS_AVX2 rows run the passes, which decode each weight once per pass of up to 5
+// (int8: 6, int4: 3) rows; bigger ones the GEMM over float32 blocks. Both give the same bits.
 static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
                     const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int64_t group, const uint16_t *gscale) {
     if (M > X_ROWS_AVX2) {  // x in float32 a block of rows at a time: the buffer kept stays small at prefill sizes
@@ -738,7 +759,7 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
         }
         return 0;
     }
-    const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + M_CHUNK - 1) / M_CHUNK;
+    const int64_t n16 = (N + 15) / 16 * 16, chunks = (M + M_CHUNK - 1) / M_CHUNK;
     const int64_t ng = storage == W_INT4 ? K / group : 0;
     float *xf = x_float_buffer((size_t)(M * K + M * ng));
     if (!xf) return 2;
@@ -747,19 +768,25 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
     for (; e < M * K; e++) xf[e] = bf16_to_f(x[e]);                               // a 192-row GEMM call)
     float *xsum = ng ? xf + M * K : NULL;
     for (int64_t i = 0; i < M * ng; i++) xsum[i] = group_sum(xf + i * group, group);
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
-            const int64_t valid = N - n0 < width ? N - n0 : width;
+    // Work units of 16 outputs x a chunk of rows, panel by panel (each panel's chunks in turn, as the items of whole
+    // panels ran, so a panel stays in cache over its chunks): each thread takes an equal run of them, where items of
+    // whole panels left a thread idle at the end (SmolLM2's 576 outputs are 9 panels, 5 against 4: at 8 rows its
+    // 576-output layers ran 1.60-1.70x faster on two threads than on one, now 1.80-1.90x)
+    const int64_t nblk = n16 / 16, per_panel = PANEL / 16, full = n16 / PANEL, units = chunks * nblk;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), end = units * (t + 1) / T;
+        const int64_t in_full = full * chunks * per_panel;  // units of the whole panels, before the last one's
+        for (int64_t u = units * t / T; u < end;) {
+            const int64_t nv = u < in_full ? per_panel : nblk - full * per_panel;
+            const int64_t p = u < in_full ? u / (chunks * per_panel) : full;
+            const int64_t r = u < in_full ? u - p * chunks * per_panel : u - in_full, c = r / nv, vb = r - c * nv;
+            const int64_t ve = vb + (end - u) < nv ? vb + (end - u) : nv;
             const int64_t m0 = c * M_CHUNK, rows = (m0 + M_CHUNK < M ? m0 + M_CHUNK : M) - m0;
-            const void *w = storage == W_INT8 ? (const void *)((const int8_t *)wp + n0 * K)
-                          : storage == W_INT4 ? (const void *)((const uint8_t *)wp + n0 * K / 2)
-                                              : (const void *)((const uint16_t *)wp + n0 * K);
-            panel_avx2(xf + m0 * K, rows, K, w, storage, (int)(width / 16), scale ? scale + n0 : NULL,
-                       bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid, group,
-                       storage == W_INT4 ? gscale + n0 * (K / group) : NULL, width, xsum ? xsum + m0 * ng : NULL);
+            item_avx2(xf, m0, rows, K, wp, storage, n16, p, (int)vb, (int)ve, scale, bias, y, N, group, gscale, xsum);
+            u += ve - vb;
         }
+    }
     return 0;
 }
 #endif
