@@ -432,9 +432,10 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 // call. A pair row of 8 outputs becomes two vectors of 8 float32 weights, those of k and of k + 1, each multiplied
 // by its x broadcast, so a lane is one output and no horizontal sums are needed:
 // bf16: one 32-byte load, a shift (k) and a mask (k + 1), exact; int8: one vpmovsxbw of 16 bytes, then the two
-// halves of each dword sign-extended and converted; int4: 8 bytes by vpmovzxbd, each nibble masked or shifted and
-// converted: the code q (0..15), not q - 8, so each group sums q x, and 8 times the group's sum of x (once per row and
-// group, group_sum) is taken off when the group is folded in by its scales, as the AVX-512 passes fold theirs. 7
+// halves of each dword sign-extended (k by a vpmaddwd with 1, k + 1 by a shift) and converted; int4: 8 bytes by
+// vpmovzxbd, each nibble masked or shifted and converted: the code q (0..15), not q - 8, so each group sums q x, and 8
+// times the group's sum of x (once per row and group, group_sum) is taken off when the group is folded in by its
+// scales, as the AVX-512 passes fold theirs. 7
 // vector ops per 16 int4 weights instead of the 9 of making q - 8 exact (2^23's mantissa and a subtraction): one
 // row 16.4 -> 20.2 GB/s on the Zen 3 VM, whose 4 vector pipes the decode kept busy. Every product is exact at every
 // row count (no panel is dequantized first); int4 sums meet the float32 bound of the terms summed (q x and 8 x),
@@ -500,7 +501,9 @@ static inline __attribute__((always_inline)) void pair_row_ps(const char *row, c
         *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
     } else if (storage == W_INT8) {
         const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j * 16)));
-        *lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+        // k's code sign-extended by one vpmaddwd (k x 1 + (k + 1) x 0) where a shift pair took two: int8 passes of 1
+        // row 1.15-1.25x faster, 8 rows 1.05-1.07x on the Zen 3 VM (the same exact codes)
+        *lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1)));
         *hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
     } else {
         const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + j * 8)));
