@@ -329,10 +329,10 @@ def test_avx2_passes_meet_the_float32_summation_bound(avx2_kernel, n, k, group):
         for i in (0, 5, 49, 99, 249):
             assert torch.equal(call(x_all[i:i + 1]), batched[i:i + 1]), f"{storage}, row {i}"
         threads = torch.get_num_threads()
-        try:  # up to 48 rows each thread takes a run of 16-output blocks, which may end mid-panel: the same bits
+        try:  # each thread takes a run of (16 outputs x a row chunk) units, which may start and end mid-panel
             for nt in (1, 3, 5):
                 torch.set_num_threads(nt)
-                for rows in (1, 2, 7, 13, 48, 49):
+                for rows in (1, 2, 7, 13, 48, 49, 100):
                     assert torch.equal(call(x_all[:rows]), batched[:rows]), f"{storage}, {rows} rows, {nt} threads"
         finally:
             torch.set_num_threads(threads)
