@@ -774,7 +774,7 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
     // Work units of 16 outputs x a chunk of rows, panel by panel (each panel's chunks in turn, as the items of whole
     // panels ran, so a panel stays in cache over its chunks): each thread takes an equal run of them, where items of
     // whole panels left a thread idle at the end (SmolLM2's 576 outputs are 9 panels, 5 against 4: at 8 rows its
-    // 576-output layers ran 1.60-1.70x faster on two threads than on one, now 1.80-1.90x)
+    // 576-output layers ran 1.63-1.77x faster on two threads than on one, now 1.84-1.94x)
     const int64_t nblk = n16 / 16, per_panel = PANEL / 16, full = n16 / PANEL, units = chunks * nblk;
     #pragma omp parallel num_threads(nthreads)
     {
