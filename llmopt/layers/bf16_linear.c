@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "native_bf16.h"
 
@@ -45,7 +46,12 @@
 #define WIDEN_ROWS 16 // int8: past this many rows, panels are widened to bf16 once per work item
 #define MT_GROUPED 8  // int4 passes of up to 8 rows; past 3 rows over NV_GROUPED vectors of the panel at a time:
 #define NV_GROUPED 2  // the 2 * 8 * 2 accumulators spill a few, and still beat more passes decoding nibbles again
-#define MT_MAX 8      // the most rows of any pass
+#define MT_MAX 8      // the most rows of any vdpbf16ps pass
+#define MT_F32 12     // the most rows of a float32 pass (over one vector: 2 x 12 accumulators)
+#ifndef F32_BF16_ROWS
+#define F32_BF16_ROWS 32  // bf16 weights in float32 passes from this many rows (where set: Intel cores, off AMX)
+#endif
+#define X_ROWS_F32 256   // float32 passes: x converted to float32 this many rows at a time
 #define WIDEN_ROWS_INT4 64  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
 enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
@@ -59,6 +65,28 @@ enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 // from DRAM (545 MB, past what the VM's share of the L3 holds), 1.07-1.14x at one row over prefetcht0 2 KB ahead,
 // 1.03-1.06x at two (any of 4-32 KB ahead; docs/BENCHMARKS.md, "prefetching into L2")
 #define PF_L2 8192
+#define PF_F32 16384  // float32 passes over one vector of a panel (panel_f32_nv)
+
+// Bytes of one 16-output block's pair row (two k of 16 outputs) in a panel of each storage
+static inline int64_t block_bytes(int storage) { return storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16; }
+
+// The panel whose first output is n0: panels are laid out one after another, each n0 * K weights in
+static inline const void *panel_at(const void *wp, int storage, int64_t n0, int64_t K) {
+    return (const char *)wp + n0 * K * (storage == W_BF16 ? 2 : 1) / (storage == W_INT4 ? 2 : 1);
+}
+
+// Work units of 16 outputs x a chunk of rows, panel by panel (each panel's chunks in turn, so a panel stays in cache
+// over its chunks), an equal run of them per thread: whole panels as items left a thread idle at the end wherever
+// the panels did not divide evenly (SmolLM2's 576 outputs are 9 panels, 5 against 4). unit_item: the item that
+// unit u starts in a run ending at `end` (panel p, chunk c, its blocks [vb, ve)), over nblk blocks in all.
+struct unit_item { int64_t p, c, vb, ve; };
+static inline struct unit_item unit_item(int64_t u, int64_t end, int64_t nblk, int64_t chunks) {
+    const int64_t per_panel = PANEL / 16, full = nblk / per_panel, in_full = full * chunks * per_panel;
+    const int64_t nv = u < in_full ? per_panel : nblk - full * per_panel;  // blocks of this unit's panel
+    const int64_t p = u < in_full ? u / (chunks * per_panel) : full;
+    const int64_t r = u < in_full ? u - p * chunks * per_panel : u - in_full, c = r / nv, vb = r - c * nv;
+    return (struct unit_item){p, c, vb, vb + (end - u) < nv ? vb + (end - u) : nv};
+}
 
 // A thread's scratch, kept for its next call: a fresh buffer of a panel's size would be mapped per call, and its
 // page faults cost more than the conversion it holds. NULL when out of memory.
@@ -215,8 +243,8 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
 }
 
 #define CASE(mt, nv) case (mt) * 8 + (nv): \
-    if (storage == W_INT8) panel_mt_nv(x, mt, K, wp, W_INT8, nv, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
-    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, nv, scale, bias, y, N, valid, 0, 0, NULL, 0); \
+    if (storage == W_INT8) panel_mt_nv(x, mt, K, wp, W_INT8, nv, vstride, scale, bias, y, N, valid, 0, 0, NULL, 0); \
+    else panel_mt_nv(x, mt, K, wp, W_BF16, nv, vstride, scale, bias, y, N, valid, 0, 0, NULL, 0); \
     break;
 #define CASES(mt) CASE(mt, 1) CASE(mt, 2) CASE(mt, 3) CASE(mt, 4)
 #define GCASE(mt, nv) case (mt) * 8 + (nv): \
@@ -276,25 +304,28 @@ static inline __attribute__((always_inline)) void panel_int4_f32_nv(const float 
     panel_int4_f32_nv(xf, mt, K, wv, nv, vstride, bv, yv, N, vv, group, gv, gstride); \
     break;
 
-// The int8 passes in float32 FMAs, of 1 or 2 rows over nv vectors (a whole panel): 16 bytes of a pair row
-// (8 outputs x k, k + 1, in pair order) become 16 float32 weights by one vpmovsxbd and one vcvtdq2ps, multiplied
-// by the row's x pair (x[k], x[k + 1]) broadcast to every pair of lanes: a vector's lanes 2j and 2j + 1 hold
-// output j's sums over even and odd k, added at the end (two permutes per 16 outputs) and scaled. Three vector
-// ops per 16 weights where the vdpbf16ps pass converts to bf16 and pays for its vdpbf16ps (why, and where: the
-// int4 passes above).
+// The int8 passes in float32 FMAs, of mt rows over nv vectors: 16 bytes of a pair row (8 outputs x k, k + 1, in
+// pair order) become 16 float32 weights by one vpmovsxbd and one vcvtdq2ps, multiplied by the row's x pair (x[k],
+// x[k + 1]) broadcast to every pair of lanes: a vector's lanes 2j and 2j + 1 hold output j's sums over even and odd
+// k, added at the end (two permutes per 16 outputs) and scaled. Three vector ops per 16 weights where the vdpbf16ps
+// pass converts to bf16 and pays for its vdpbf16ps (why, and where: the int4 passes above).
 static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float *x, const int mt, int64_t K,
-                                                                    const int8_t *wp, const int nv,
+                                                                    const int8_t *wp, const int nv, const int vstride,
                                                                     const uint16_t *scale, const uint16_t *bias,
                                                                     uint16_t *y, int64_t N, int64_t valid) {
-    __m512 acc[4][2 * NV];  // [m][2v]: outputs 16v..16v+7 (even and odd k), [m][2v + 1]: 16v+8..16v+15
+    __m512 acc[MT_F32][2 * NV];  // [m][2v]: outputs 16v..16v+7 (even and odd k), [m][2v + 1]: 16v+8..16v+15
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < 2 * nv; j++) acc[m][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
-        const int8_t *wk = wp + k * nv * 16;
-        if (mt == 1)  // one row: into L2, further ahead (PF_L2); two rows lost 3-4% that way
-            for (int v = 0; v < nv; v += 2) _mm_prefetch((const char *)(wk + v * 32 + PF_L2), _MM_HINT_T1);
-        else
-            for (int v = 0; v < nv; v += 2) _mm_prefetch((const char *)(wk + v * 32 + PF_PACKED), _MM_HINT_T0);
+        const int8_t *wk = wp + k * vstride * 16;
+        // a line in 64 bytes of the pair row's vectors: one row into L2, further ahead (PF_L2; two rows lost 3-4%
+        // that way); 2-4 rows over the whole panel PF_PACKED ahead; more over one vector, whose lines are a panel's
+        // width apart, PF_F32 ahead into L2
+        for (int b = 0; b < nv * 32; b += 64) {
+            if (mt == 1) _mm_prefetch((const char *)(wk + b + PF_L2), _MM_HINT_T1);
+            else if (mt > 4) _mm_prefetch((const char *)(wk + b + PF_F32), _MM_HINT_T1);
+            else _mm_prefetch((const char *)(wk + b + PF_PACKED), _MM_HINT_T0);
+        }
         __m512 w[2 * NV];
         for (int j = 0; j < 2 * nv; j++)
             w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wk + j * 16))));
@@ -321,23 +352,74 @@ static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float 
     }
 }
 
-#define ICASE(mt, nv) case (mt) * 8 + (nv): panel_int8_f32_nv(x, mt, K, wp, nv, scale, bias, y, N, valid); break;
+// The bf16 passes in float32 FMAs, of mt rows over one vector (16 outputs): each dword of a pair row, (w[k], w[k +
+// 1]) of one output, becomes w[k] by a shift and w[k + 1] by a mask, and each row adds x[k + 1] w[k + 1], then x[k]
+// w[k], as two FMAs: the order and roundings of vdpbf16ps (odd product, then even; each exact, each sum rounded),
+// so a row's result is the same bits as the vdpbf16ps passes give it (but where a product or sum is subnormal,
+// which vdpbf16ps flushes to zero) and a batch stays invariant whichever passes run. Where vdpbf16ps is slow and
+// the panel is read by many rows (Intel cores: one vdpbf16ps every two cycles, two FMAs a cycle, half the products
+// per cycle; measured on the Intel Xeon VM without AMX, docs/BENCHMARKS.md "float32 passes for bf16").
+static inline __attribute__((always_inline)) void panel_bf16_f32_nv(const float *x, const int mt, int64_t K,
+                                                                    const uint16_t *wp, const int vstride,
+                                                                    const uint16_t *scale, const uint16_t *bias,
+                                                                    uint16_t *y, int64_t N, int64_t valid) {
+    __m512 acc[MT_F32];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t k = 0; k < K; k += 2) {
+        const uint16_t *wk = wp + k * vstride * 16;
+        _mm_prefetch((const char *)wk + PF_F32, _MM_HINT_T1);
+        const __m512i pairs = _mm512_loadu_si512((const void *)wk);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+        for (int m = 0; m < mt; m++)
+            acc[m] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[m * K + k]),
+                                     _mm512_fmadd_ps(odd, _mm512_set1_ps(x[m * K + k + 1]), acc[m]));
+    }
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+    const __m512 s = scale ? load_bf16x16(scale, mask) : _mm512_set1_ps(1.f);
+    const __m512 b = bias ? load_bf16x16(bias, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < mt; m++)
+        _mm256_mask_storeu_epi16(y + m * N, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m], s, b)));
+}
 
-// The float32 passes over an int8 panel: passes of up to 4 rows over the whole panel. Past 2 rows some of the 16
-// accumulators per row spill to the stack, which costs less than reading the panel again in passes of 2 rows
-// (1.30-1.33x at 3 rows, 1.29x at 4, a 1.2B model's worth from DRAM; docs/BENCHMARKS.md "group scales"); past 4,
-// passes of 2 (Intel cores run int8 on AMX tiles from 5 rows). Splitting the vectors instead, as the int4
-// float32 passes past 5 rows do, read every other cache line of the panel per pass: 0.85-0.92x the vdpbf16ps pass
-// at 3-4 rows with a 1.2B layer's weights cold.
-static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, int nv, const uint16_t *scale,
-                           const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
-    const int step = mt <= 4 ? mt : 2;
-    for (int m0 = 0; m0 < mt; m0 += step, x += step * K, y += step * N)
-        switch ((mt - m0 < step ? mt - m0 : step) * 8 + nv) {
+#define ICASE(mt, nv) case (mt) * 8 + (nv): \
+    panel_int8_f32_nv(x, mt, K, (const int8_t *)wp, nv, vstride, scale, bias, y, N, valid); \
+    break;
+#define RCASE(r) case r: \
+    if (storage == W_INT8) panel_int8_f32_nv(xm, r, K, (const int8_t *)wv, 1, vstride, sv, bv, ym, N, vv); \
+    else panel_bf16_f32_nv(xm, r, K, (const uint16_t *)wv, vstride, sv, bv, ym, N, vv); \
+    break;
+
+// The float32 passes over an int8 or bf16 panel (x in float32). int8 up to 4 rows over the whole panel: past 2 rows
+// some of the 16 accumulators per row spill to the stack, which costs less than reading the panel again in passes
+// of 2 rows (1.30-1.33x at 3 rows, 1.29x at 4, a 1.2B model's worth from DRAM; docs/BENCHMARKS.md "group scales").
+// Past 4 rows (bf16: at every row count) passes of up to MT_F32 rows over one vector at a time, the weights
+// converted once per pass (where the int8 passes of 2 rows over the whole panel converted them once per 2 rows).
+static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int storage, int nv, int vstride,
+                      const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
+    if (storage == W_INT8 && mt <= 4) {
+        switch (mt * 8 + nv) {
             ICASE(1, 1) ICASE(1, 2) ICASE(1, 3) ICASE(1, 4) ICASE(2, 1) ICASE(2, 2) ICASE(2, 3) ICASE(2, 4)
             ICASE(3, 1) ICASE(3, 2) ICASE(3, 3) ICASE(3, 4) ICASE(4, 1) ICASE(4, 2) ICASE(4, 3) ICASE(4, 4)
             default: break;
         }
+        return;
+    }
+    for (int v = 0; v < nv; v++) {
+        const char *wv = (const char *)wp + v * block_bytes(storage);
+        const uint16_t *sv = scale ? scale + v * 16 : NULL, *bv = bias ? bias + v * 16 : NULL;
+        const int64_t vv = valid - v * 16;
+        for (int m0 = 0; m0 < mt; m0 += MT_F32) {
+            const float *xm = x + m0 * K;
+            uint16_t *ym = y + m0 * N + v * 16;
+            switch (mt - m0 < MT_F32 ? mt - m0 : MT_F32) {
+                RCASE(1) RCASE(2) RCASE(3) RCASE(4) RCASE(5) RCASE(6) RCASE(7) RCASE(8) RCASE(9) RCASE(10)
+                RCASE(11) RCASE(12)
+                default: break;
+            }
+        }
+    }
 }
 
 // Passes over an int4 panel with group folds, in vdpbf16ps on x, or in float32 FMAs on xf (x in float32, where
@@ -346,11 +428,11 @@ static void panel_int8_f32(const float *x, int mt, int64_t K, const int8_t *wp, 
 // 3-5 rows some of the 2 x mt x 4 accumulators spill to the stack, which costs less than a pass over half the
 // panel reading each cache line of it twice (1.2x at 3-5 rows from DRAM, docs/BENCHMARKS.md "group scales").
 static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, const uint8_t *wp, int nv,
-                       const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group,
+                       int vstride, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group,
                        const uint16_t *gscale, int64_t gstride) {
-    const int vstride = nv, step = xf ? (mt <= 5 ? nv : 1) : (mt <= 3 ? nv : NV_GROUPED);
-    for (int v0 = 0; v0 < vstride; v0 += step) {
-        const int sub = vstride - v0 < step ? vstride - v0 : step;
+    const int step = xf ? (mt <= 5 ? nv : 1) : (mt <= 3 ? nv : NV_GROUPED);
+    for (int v0 = 0; v0 < nv; v0 += step) {
+        const int sub = nv - v0 < step ? nv - v0 : step;
         const uint8_t *wv = wp + v0 * 16;
         const uint16_t *bv = bias ? bias + v0 * 16 : NULL, *gv = gscale + v0 * 16;
         uint16_t *yv = y + v0 * 16;
@@ -373,8 +455,8 @@ static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, co
     }
 }
 
-static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int storage, int nv, const uint16_t *scale,
-                  const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
+static void panel(const uint16_t *x, int mt, int64_t K, const void *wp, int storage, int nv, int vstride,
+                  const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
     switch (mt * 8 + nv) {
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6)
         default: break;
@@ -426,7 +508,6 @@ static void widen_panel_int4(const uint8_t *w, int64_t width, int64_t K, const u
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_PASSES
 #include <immintrin.h>
-#include <omp.h>
 // The AVX2 passes, for CPUs without AVX512-BF16 (AMD's Zen 2 and 3, Intel cores before Cooper Lake; oneDNN has no
 // bf16 kernels there either): the same panels, every storage multiplied in float32 FMAs on x converted once per
 // call. A pair row of 8 outputs becomes two vectors of 8 float32 weights, those of k and of k + 1, each multiplied
@@ -593,7 +674,7 @@ static float *gemm_buffer(size_t n) {  // n float32 (a widened block)
 
 // the block at wp (pair rows vstride blocks apart) as float32 [K][16]
 static void widen_block_avx2(const char *wp, const int storage, const int vstride, int64_t K, float *out) {
-    const int64_t pair_row = (storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16) * (int64_t)vstride;
+    const int64_t pair_row = block_bytes(storage) * vstride;
     for (int64_t k = 0; k < K; k += 2) {
         const char *row = wp + (k / 2) * pair_row;
         _mm_prefetch(row + 8 * pair_row, _MM_HINT_T0);
@@ -671,11 +752,10 @@ static void gemm_panel_avx2(const float *x, int64_t M, int64_t K, const void *wp
                             const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid,
                             int64_t group, const uint16_t *gscale, int64_t gstride, const float *xsum, float *wb) {
     const int grouped = storage == W_INT4;
-    const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
     for (int v = vb; v < ve; v++) {
         const int64_t vv = valid - v * 16;
         if (vv <= 0) break;
-        widen_block_avx2((const char *)wp + v * per_block, storage, nv, K, wb);
+        widen_block_avx2((const char *)wp + v * block_bytes(storage), storage, nv, K, wb);
         const uint16_t *sc = scale ? scale + v * 16 : NULL, *bi = bias ? bias + v * 16 : NULL;
         const uint16_t *gs = gscale ? gscale + v * 16 : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += 6) {
@@ -714,7 +794,6 @@ static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int
     // bf16 up to 5 rows a pass (6 rows as 3 + 3, 11 as 4 + 4 + 3: 4-9% faster than 6 and 6 + 5 on the Zen 3 VM; int8,
     // bound by its conversions, ran 12-17% slower at 6 rows as 3 + 3 than as one pass)
     const int grouped = storage == W_INT4, max_rows = grouped ? 3 : storage == W_BF16 ? 5 : MT_AVX2;
-    const int64_t per_block = storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16;  // bytes of a block's pair row
     for (int64_t m0 = 0; m0 < M;) {
         // as few passes as max_rows allows, of even size: 8 rows as 4 + 4, not 5 + 3 or 6 + 2 (bf16 7-11% faster at
         // 7-9 rows than 6 + 1 .. 6 + 3, int8 1-3%: each pass decodes the weights once, and a short one keeps too few
@@ -726,7 +805,7 @@ static void panel_avx2(const float *x, int64_t M, int64_t K, const void *wp, int
             const int nb = ve - v0 < want ? ve - v0 : want;
             const int64_t vv = valid - v0 * 16;
             if (vv <= 0) break;
-            pass_avx2_any(x + m0 * K, mt, K, (const char *)wp + v0 * per_block, storage, nb, nv,
+            pass_avx2_any(x + m0 * K, mt, K, (const char *)wp + v0 * block_bytes(storage), storage, nb, nv,
                           scale ? scale + v0 * 16 : NULL, bias ? bias + v0 * 16 : NULL, y + m0 * N + v0 * 16, N,
                           vv, group, gscale ? gscale + v0 * 16 : NULL, gstride,
                           xsum ? xsum + m0 * (K / group) : NULL);
@@ -741,10 +820,7 @@ static void item_avx2(const float *xf, int64_t m0, int64_t rows, int64_t K, cons
                       int64_t group, const uint16_t *gscale, const float *xsum) {
     const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
     const int64_t valid = N - n0 < width ? N - n0 : width, ng = storage == W_INT4 ? K / group : 0;
-    const void *w = storage == W_INT8 ? (const void *)((const int8_t *)wp + n0 * K)
-                  : storage == W_INT4 ? (const void *)((const uint8_t *)wp + n0 * K / 2)
-                                      : (const void *)((const uint16_t *)wp + n0 * K);
-    panel_avx2(xf + m0 * K, rows, K, w, storage, (int)(width / 16), vb, ve,
+    panel_avx2(xf + m0 * K, rows, K, panel_at(wp, storage, n0, K), storage, (int)(width / 16), vb, ve,
                scale ? scale + n0 : NULL, bias ? bias + n0 : NULL, y + m0 * N + n0, N, valid, group,
                storage == W_INT4 ? gscale + n0 * ng : NULL, width, xsum ? xsum + m0 * ng : NULL);
 }
@@ -771,23 +847,18 @@ static int run_avx2(const uint16_t *x, int64_t M, int64_t K, const void *wp, int
     for (; e < M * K; e++) xf[e] = bf16_to_f(x[e]);                               // a 192-row GEMM call)
     float *xsum = ng ? xf + M * K : NULL;
     for (int64_t i = 0; i < M * ng; i++) xsum[i] = group_sum(xf + i * group, group);
-    // Work units of 16 outputs x a chunk of rows, panel by panel (each panel's chunks in turn, as the items of whole
-    // panels ran, so a panel stays in cache over its chunks): each thread takes an equal run of them, where items of
-    // whole panels left a thread idle at the end (SmolLM2's 576 outputs are 9 panels, 5 against 4: at 8 rows its
-    // 576-output layers ran 1.63-1.77x faster on two threads than on one, now 1.84-1.94x)
-    const int64_t nblk = n16 / 16, per_panel = PANEL / 16, full = n16 / PANEL, units = chunks * nblk;
+    // Units of 16 outputs (unit_item; at 8 rows SmolLM2's 576-output layers ran 1.63-1.77x faster on two threads
+    // than on one as whole panels, 1.84-1.94x as units)
+    const int64_t nblk = n16 / 16, units = chunks * nblk;
     #pragma omp parallel num_threads(nthreads)
     {
         const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), end = units * (t + 1) / T;
-        const int64_t in_full = full * chunks * per_panel;  // units of the whole panels, before the last one's
         for (int64_t u = units * t / T; u < end;) {
-            const int64_t nv = u < in_full ? per_panel : nblk - full * per_panel;
-            const int64_t p = u < in_full ? u / (chunks * per_panel) : full;
-            const int64_t r = u < in_full ? u - p * chunks * per_panel : u - in_full, c = r / nv, vb = r - c * nv;
-            const int64_t ve = vb + (end - u) < nv ? vb + (end - u) : nv;
-            const int64_t m0 = c * M_CHUNK, rows = (m0 + M_CHUNK < M ? m0 + M_CHUNK : M) - m0;
-            item_avx2(xf, m0, rows, K, wp, storage, n16, p, (int)vb, (int)ve, scale, bias, y, N, group, gscale, xsum);
-            u += ve - vb;
+            const struct unit_item it = unit_item(u, end, nblk, chunks);
+            const int64_t m0 = it.c * M_CHUNK, rows = (m0 + M_CHUNK < M ? m0 + M_CHUNK : M) - m0;
+            item_avx2(xf, m0, rows, K, wp, storage, n16, it.p, (int)it.vb, (int)it.ve, scale, bias, y, N, group,
+                      gscale, xsum);
+            u += it.ve - it.vb;
         }
     }
     return 0;
@@ -930,24 +1001,80 @@ int bf16_linear_amx_available(void) { return 0; }
 #endif
 
 #ifdef __AVX512BF16__
-// The work both paths share: items of one panel x `chunk` rows over the threads, each int8 or int4 panel
-// widened to bf16 once per item when `widen`, then the rows of the item by AMX tiles (`amx`) or VNNI passes of
-// MT rows (int4 not widened: passes of up to MT_GROUPED rows with group folds, panel_int4).
+// Rows [m0, m_end) against blocks [vb, ve) of one panel (w: its weights in storage ws, `width` outputs; sp, bp, yp,
+// gs: its scales, bias, outputs at row 0 and group scales) in VNNI passes of up to `step` rows (int4 with group
+// folds: passes of even size, as few as step allows), or in float32 passes on xf (int8, bf16_linear_set_fma).
+static void passes(const uint16_t *x, const float *xf, int64_t m0, int64_t m_end, int64_t K, const void *w, int ws,
+                   int64_t width, int64_t vb, int64_t ve, const uint16_t *sp, const uint16_t *bp, uint16_t *yp,
+                   int64_t N, int64_t valid, int grouped, int step, int64_t group, const uint16_t *gs) {
+    const int64_t off = vb * 16;
+    const int nv = (int)(ve - vb), vstride = (int)(width / 16);
+    w = (const char *)w + vb * block_bytes(ws), yp += off, valid -= off;
+    sp = sp ? sp + off : NULL, bp = bp ? bp + off : NULL, gs = gs ? gs + off : NULL;
+    for (int64_t m = m0, mt; m < m_end; m += mt) {
+        const int64_t left = m_end - m, count = (left + step - 1) / step;
+        mt = grouped || xf ? (left + count - 1) / count : (left < step ? left : step);
+        if (grouped)
+            panel_int4(x + m * K, xf ? xf + m * K : NULL, (int)mt, K, (const uint8_t *)w, nv, vstride, bp,
+                       yp + m * N, N, valid, group, gs, width);
+        else if (xf)
+            panel_f32(xf + m * K, (int)mt, K, w, ws, nv, vstride, sp, bp, yp + m * N, N, valid);
+        else
+            panel(x + m * K, (int)mt, K, w, ws, nv, vstride, sp, bp, yp + m * N, N, valid);
+    }
+}
+
+// The work both paths share. Where the weights are read as they are (the passes, up to WIDEN_ROWS rows of int8 and
+// WIDEN_ROWS_INT4 of int4, and bf16 without AMX), units of 16 outputs x M_CHUNK rows, an equal run per thread
+// (unit_item). Where each int8 or int4 panel is widened to bf16 once per item (`widen`), or multiplied on AMX tiles
+// (`amx`), items of a whole panel x `chunk` rows over the threads, so a panel is widened once and its tiles are
+// whole.
 static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
                const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int amx, int64_t group,
                const uint16_t *gscale) {
+    // float32 passes (bf16_linear_set_fma, off AMX): int8 and int4 at every row count, bf16 from F32_BF16_ROWS;
+    // x in float32 X_ROWS_F32 rows at a time, so that the buffer kept stays small at prefill sizes
+    const int f32 = fma_passes && !amx && (storage != W_BF16 || M >= F32_BF16_ROWS);
+    if (f32 && M > X_ROWS_F32) {
+        for (int64_t m0 = 0; m0 < M; m0 += X_ROWS_F32) {
+            const int rc = run(x + m0 * K, M - m0 < X_ROWS_F32 ? M - m0 : X_ROWS_F32, K, wp, storage, scale, bias, N,
+                               y + m0 * N, nthreads, amx, group, gscale);
+            if (rc) return rc;
+        }
+        return 0;
+    }
     const int64_t chunk = amx ? AMX_ITEM : M_CHUNK;
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + chunk - 1) / chunk;
-    const int widen = storage != W_BF16 && (amx || M > (storage == W_INT4 ? WIDEN_ROWS_INT4 : WIDEN_ROWS));
+    // int8 and int4 panels widened to bf16 once per item: on AMX tiles, and past a number of rows (int8 not in
+    // float32 passes, whose conversion costs what a widened panel's does)
+    const int widen = storage != W_BF16 && (amx || (storage == W_INT4 ? M > WIDEN_ROWS_INT4 : !f32 && M > WIDEN_ROWS));
     const int grouped = storage == W_INT4 && !widen;  // a dequantized int4 panel needs no group folds
-    const int step = grouped ? MT_GROUPED : MT;
+    const int step = grouped ? MT_GROUPED : f32 ? MT_F32 : MT;
+    const int64_t ng = storage == W_INT4 ? K / group : 0;
     if (storage == W_INT4) i4_table_init();
-    const float *xf = NULL;  // x in float32 for the float32 passes (int8 and int4 panels not widened)
-    if (fma_passes && storage != W_BF16 && !widen) {
+    const float *xf = NULL;  // x in float32 for the float32 passes
+    if (f32) {
         float *buf = x_float_buffer((size_t)(M * K));
         if (!buf) return 2;
         for (int64_t i = 0; i < M * K; i++) buf[i] = bf16_to_f(x[i]);
         xf = buf;
+    }
+    if (!widen && !amx) {
+        const int64_t nblk = n16 / 16, units = chunks * nblk;
+        #pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), end = units * (t + 1) / T;
+            for (int64_t u = units * t / T; u < end;) {
+                const struct unit_item it = unit_item(u, end, nblk, chunks);
+                const int64_t n0 = it.p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
+                const int64_t m0 = it.c * chunk, m_end = m0 + chunk < M ? m0 + chunk : M;
+                passes(x, xf, m0, m_end, K, panel_at(wp, storage, n0, K), storage, width, it.vb, it.ve,
+                       scale ? scale + n0 : NULL, bias ? bias + n0 : NULL, y + n0, N,
+                       N - n0 < width ? N - n0 : width, grouped, step, group, grouped ? gscale + n0 * ng : NULL);
+                u += it.ve - it.vb;
+            }
+        }
+        return 0;
     }
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -965,15 +1092,12 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                 const int64_t n0 = p * PANEL, width = n16 - n0 < PANEL ? n16 - n0 : PANEL;
                 const int64_t valid = N - n0 < width ? N - n0 : width;
                 const int64_t m_end = (c + 1) * chunk < M ? (c + 1) * chunk : M;
-                const void *w = storage == W_INT8 ? (const void *)((const int8_t *)wp + n0 * K)
-                              : storage == W_INT4 ? (const void *)((const uint8_t *)wp + n0 * K / 2)
-                                                  : (const void *)((const uint16_t *)wp + n0 * K);
+                const void *w = panel_at(wp, storage, n0, K);
                 int ws = storage;
                 if (widen) {
                     if (held != p) {
                         if (storage == W_INT4)
-                            widen_panel_int4((const uint8_t *)w, width, K, gscale + n0 * (K / group), width, group,
-                                             buf);
+                            widen_panel_int4((const uint8_t *)w, width, K, gscale + n0 * ng, width, group, buf);
                         else widen_panel((const int8_t *)w, width * K, buf);
                     }
                     held = p, w = buf, ws = W_BF16;
@@ -985,19 +1109,8 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
                     continue;
                 }
 #endif
-                for (int64_t m0 = c * chunk, mt; m0 < m_end; m0 += mt) {
-                    const int64_t left = m_end - m0, passes = (left + step - 1) / step;
-                    mt = grouped ? (left + passes - 1) / passes : (left < step ? left : step);  // int4: even passes
-                    if (grouped)
-                        panel_int4(x + m0 * K, xf ? xf + m0 * K : NULL, (int)mt, K, (const uint8_t *)w,
-                                   (int)(width / 16), bp, y + m0 * N + n0, N, valid, group,
-                                   gscale + n0 * (K / group), width);
-                    else if (xf)
-                        panel_int8_f32(xf + m0 * K, (int)mt, K, (const int8_t *)w, (int)(width / 16), sp, bp,
-                                       y + m0 * N + n0, N, valid);
-                    else
-                        panel(x + m0 * K, (int)mt, K, w, ws, (int)(width / 16), sp, bp, y + m0 * N + n0, N, valid);
-                }
+                passes(x, xf, c * chunk, m_end, K, w, ws, width, 0, width / 16, sp, bp, y + n0, N, valid, 0, step, 0,
+                       NULL);
             }
 #ifdef HAVE_AMX
         if (conf[0] >= 0) _tile_release();

@@ -88,21 +88,23 @@ def test_packed_linear_matches_f_linear(dtype, bias, vnni):
 
 
 @needs_vnni
-@pytest.mark.parametrize("path", ["vnni", "amx"])
+@pytest.mark.parametrize("path", ["vnni", "fma", "amx"])
 @pytest.mark.parametrize(("n", "k"), [(7, 34), (64, 64), (130, 576), (1000, 96)])
 def test_kernel_paths_meet_the_float32_summation_bound_at_every_batch_shape(n, k, path, monkeypatch):
     """Outputs that are not a whole vector or panel (n % 16, n % 64), batches that end mid-pass (6 rows), mid
-    tile (16) or mid work item (32, 48): each path, forced, within the float32-summation bound of float64.
+    tile (16) or mid work item (32, 48), past x's conversion to float32 in blocks (`fma`, 300): each path, forced,
+    within the float32-summation bound of float64 (`fma`: bf16 in float32 passes from 32 rows).
     K = 34 is no multiple of an AMX tile's 32: that call takes the VNNI path on every CPU."""
     kernel = vnni_kernel()
     if path == "amx" and not kernel.amx:
         pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
     monkeypatch.setitem(kernel.amx_min_rows, torch.bfloat16, 1 if path == "amx" else 10**9)
+    monkeypatch.setattr(kernel, "fma", path == "fma")
     g = torch.Generator().manual_seed(1)
     lin = _linear(n, k, True, torch.bfloat16, g)
     packed = PackedLinear(lin)
     assert packed.kernel is kernel
-    for rows in (1, 2, 5, 6, 7, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 100):
+    for rows in (1, 2, 5, 6, 7, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 100, 300):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = packed(x)
         assert got.shape == (rows, n)
@@ -111,21 +113,24 @@ def test_kernel_paths_meet_the_float32_summation_bound_at_every_batch_shape(n, k
 
 
 @needs_vnni
-@pytest.mark.parametrize("path", ["vnni", "amx"])
+@pytest.mark.parametrize("path", ["vnni", "fma", "amx"])
 def test_a_row_is_the_same_alone_or_in_any_batch(path, monkeypatch):
     """Bitwise, by construction: a row's sums come from its own x row in one fixed order (VNNI passes and AMX
     tile rows are independent of each other), so while one path runs, batching never changes a result. bf16
     takes AMX tiles from one row where the CPU has them (AMX_MIN_ROWS), so an engine's bf16 linears are
-    batch-invariant on both kinds of CPU."""
+    batch-invariant on both kinds of CPU. `fma` (Intel cores without AMX): from 32 rows bf16 runs float32 passes
+    in vdpbf16ps's own order and roundings, so a row of 1 (vdpbf16ps) and of 300 (float32, x converted in blocks)
+    agree too."""
     kernel = vnni_kernel()
     if path == "amx" and not kernel.amx:
         pytest.skip("the CPU has no amx_bf16 (or Linux refused the AMX tile state)")
     monkeypatch.setitem(kernel.amx_min_rows, torch.bfloat16, 1 if path == "amx" else 10**9)
+    monkeypatch.setattr(kernel, "fma", path == "fma")
     g = torch.Generator().manual_seed(4)
     packed = PackedLinear(_linear(200, 576, True, torch.bfloat16, g))
-    x = torch.randn(100, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(300, 576, generator=g).to(torch.bfloat16)
     batched = packed(x)
-    for i in (0, 5, 16, 17, 33, 99):
+    for i in (0, 5, 16, 17, 33, 99, 299):
         assert torch.equal(packed(x[i:i + 1]), batched[i:i + 1]), i
     assert torch.equal(packed(x[:40]), batched[:40])
 

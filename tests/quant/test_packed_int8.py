@@ -28,7 +28,8 @@ def _int8(n: int, k: int, seed: int, symmetric: bool = True, bias: bool = False,
 @pytest.mark.parametrize("path", ["vnni", "fma", "amx"])
 @pytest.mark.parametrize(("n", "k", "bias"), [(7, 48, False), (130, 576, True), (1000, 96, False)])
 def test_packed_int8_matches_the_int8_linear(n, k, bias, path, monkeypatch):
-    """Passes of up to 6 rows (int8 converted per pass, to bf16 for vdpbf16ps or, `fma`, to float32), past 16 rows each panel widened once per work item,
+    """Passes of up to 6 rows (int8 converted per pass, to bf16 for vdpbf16ps or, `fma`, to float32: up to 4 rows
+    over the whole panel, then up to 12 over one vector, never widened), past 16 rows each panel widened once per work item,
     AMX tiles over widened panels, partial vectors and panels: each path within the float32-summation bound
     (llmopt.testing.rounding) of the float64 matmul over the int8 weight and its bf16 scales, and close to the
     module it replaces (another kernel, another order). K = 48 is no multiple of an AMX tile's 32: VNNI always."""
@@ -40,7 +41,7 @@ def test_packed_int8_matches_the_int8_linear(n, k, bias, path, monkeypatch):
     mod = _int8(n, k, n + k, bias=bias)
     packed = PackedInt8Linear(mod, kernel)
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 3, 4, 5, 6, 7, 12, 13, 16, 17, 33, 48, 49, 100):
+    for rows in (1, 3, 4, 5, 6, 7, 12, 13, 16, 17, 33, 48, 49, 100, 300):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         got = packed(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
