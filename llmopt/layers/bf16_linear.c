@@ -49,7 +49,7 @@
 #define MT_MAX 8      // the most rows of any vdpbf16ps pass
 #define MT_F32 12     // the most rows of a float32 pass (over one vector: 2 x 12 accumulators)
 #ifndef F32_BF16_ROWS
-#define F32_BF16_ROWS 32  // bf16 weights in float32 passes from this many rows (where set: Intel cores, off AMX)
+#define F32_BF16_ROWS 2  // bf16 in float32 passes from this many rows (where set: Intel cores, off AMX)
 #endif
 #define X_ROWS_F32 256   // float32 passes: x converted to float32 this many rows at a time
 #define WIDEN_ROWS_INT4 64  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
@@ -352,35 +352,46 @@ static inline __attribute__((always_inline)) void panel_int8_f32_nv(const float 
     }
 }
 
-// The bf16 passes in float32 FMAs, of mt rows over one vector (16 outputs): each dword of a pair row, (w[k], w[k +
-// 1]) of one output, becomes w[k] by a shift and w[k + 1] by a mask, and each row adds x[k + 1] w[k + 1], then x[k]
-// w[k], as two FMAs: the order and roundings of vdpbf16ps (odd product, then even; each exact, each sum rounded),
-// so a row's result is the same bits as the vdpbf16ps passes give it (but where a product or sum is subnormal,
-// which vdpbf16ps flushes to zero) and a batch stays invariant whichever passes run. Where vdpbf16ps is slow and
-// the panel is read by many rows (Intel cores: one vdpbf16ps every two cycles, two FMAs a cycle, half the products
-// per cycle; measured on the Intel Xeon VM without AMX, docs/BENCHMARKS.md "float32 passes for bf16").
+// The bf16 passes in float32 FMAs, of mt rows over nv (1 or 2) vectors of 16 outputs: each dword of a pair row,
+// (w[k], w[k + 1]) of one output, becomes w[k] by a shift and w[k + 1] by a mask, and each row adds x[k + 1]
+// w[k + 1], then x[k] w[k], as two FMAs: the order and roundings of vdpbf16ps (odd product, then even; each exact,
+// each sum rounded), so a row's result is the same bits as the vdpbf16ps passes give it (but where a product or
+// sum is subnormal, which vdpbf16ps flushes to zero) and a batch stays invariant whichever passes run. Where
+// vdpbf16ps is slow and more than one row reads the panel (Intel cores: one vdpbf16ps every two cycles, two FMAs a
+// cycle, half the products per cycle; 1.03-1.46x at 2-512 rows on the Intel Xeon VM without AMX, docs/BENCHMARKS.md
+// "An Intel Xeon without AMX").
 static inline __attribute__((always_inline)) void panel_bf16_f32_nv(const float *x, const int mt, int64_t K,
-                                                                    const uint16_t *wp, const int vstride,
-                                                                    const uint16_t *scale, const uint16_t *bias,
-                                                                    uint16_t *y, int64_t N, int64_t valid) {
-    __m512 acc[MT_F32];
-    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+                                                                    const uint16_t *wp, const int nv,
+                                                                    const int vstride, const uint16_t *scale,
+                                                                    const uint16_t *bias, uint16_t *y, int64_t N,
+                                                                    int64_t valid) {
+    __m512 acc[MT_F32][2];
+    for (int m = 0; m < mt; m++)
+        for (int v = 0; v < nv; v++) acc[m][v] = _mm512_setzero_ps();
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t k = 0; k < K; k += 2) {
         const uint16_t *wk = wp + k * vstride * 16;
-        _mm_prefetch((const char *)wk + PF_F32, _MM_HINT_T1);
-        const __m512i pairs = _mm512_loadu_si512((const void *)wk);
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
-        for (int m = 0; m < mt; m++)
-            acc[m] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[m * K + k]),
-                                     _mm512_fmadd_ps(odd, _mm512_set1_ps(x[m * K + k + 1]), acc[m]));
+        __m512 even[2], odd[2];
+        for (int v = 0; v < nv; v++) {
+            _mm_prefetch((const char *)(wk + v * 32) + PF_F32, _MM_HINT_T1);
+            const __m512i pairs = _mm512_loadu_si512((const void *)(wk + v * 32));
+            even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            odd[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+        }
+        for (int m = 0; m < mt; m++) {
+            const __m512 xe = _mm512_set1_ps(x[m * K + k]), xo = _mm512_set1_ps(x[m * K + k + 1]);
+            for (int v = 0; v < nv; v++) acc[m][v] = _mm512_fmadd_ps(even[v], xe, _mm512_fmadd_ps(odd[v], xo, acc[m][v]));
+        }
     }
-    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-    const __m512 s = scale ? load_bf16x16(scale, mask) : _mm512_set1_ps(1.f);
-    const __m512 b = bias ? load_bf16x16(bias, mask) : _mm512_setzero_ps();
-    for (int m = 0; m < mt; m++)
-        _mm256_mask_storeu_epi16(y + m * N, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m], s, b)));
+    for (int v = 0; v < nv; v++) {
+        const int64_t left = valid - v * 16;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __m512 s = scale ? load_bf16x16(scale + v * 16, mask) : _mm512_set1_ps(1.f);
+        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++)
+            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][v], s, b)));
+    }
 }
 
 #define ICASE(mt, nv) case (mt) * 8 + (nv): \
@@ -388,14 +399,15 @@ static inline __attribute__((always_inline)) void panel_bf16_f32_nv(const float 
     break;
 #define RCASE(r) case r: \
     if (storage == W_INT8) panel_int8_f32_nv(xm, r, K, (const int8_t *)wv, 1, vstride, sv, bv, ym, N, vv); \
-    else panel_bf16_f32_nv(xm, r, K, (const uint16_t *)wv, vstride, sv, bv, ym, N, vv); \
+    else panel_bf16_f32_nv(xm, r, K, (const uint16_t *)wv, 1, vstride, sv, bv, ym, N, vv); \
     break;
 
 // The float32 passes over an int8 or bf16 panel (x in float32). int8 up to 4 rows over the whole panel: past 2 rows
 // some of the 16 accumulators per row spill to the stack, which costs less than reading the panel again in passes
 // of 2 rows (1.30-1.33x at 3 rows, 1.29x at 4, a 1.2B model's worth from DRAM; docs/BENCHMARKS.md "group scales").
-// Past 4 rows (bf16: at every row count) passes of up to MT_F32 rows over one vector at a time, the weights
-// converted once per pass (where the int8 passes of 2 rows over the whole panel converted them once per 2 rows).
+// Past 4 rows passes of up to MT_F32 rows over one vector at a time, the weights converted once per pass (where
+// the int8 passes of 2 rows over the whole panel converted them once per 2 rows); bf16 at every row count over
+// two vectors at a time (below).
 static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int storage, int nv, int vstride,
                       const uint16_t *scale, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid) {
     if (storage == W_INT8 && mt <= 4) {
@@ -406,7 +418,27 @@ static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int sto
         }
         return;
     }
-    for (int v = 0; v < nv; v++) {
+    // bf16: two vectors a pass, up to 6 rows (of even size): 14 loads to 24 FMAs where one vector and 12 rows take
+    // 26, each x broadcast by its FMA (1.19-1.24x at 32-512 rows); the odd vector out alone, below
+    int v0 = 0;
+    if (storage == W_BF16)
+        for (; v0 + 1 < nv; v0 += 2) {
+            const uint16_t *wv = (const uint16_t *)wp + v0 * 32;
+            const uint16_t *sv = scale ? scale + v0 * 16 : NULL, *bv = bias ? bias + v0 * 16 : NULL;
+            const int64_t vv = valid - v0 * 16;
+            const int count = (mt + 5) / 6, step = (mt + count - 1) / count;
+            for (int m0 = 0; m0 < mt; m0 += step) {
+                const float *xm = x + m0 * K;
+                uint16_t *ym = y + m0 * N + v0 * 16;
+                switch (mt - m0 < step ? mt - m0 : step) {
+#define PCASE(r) case r: panel_bf16_f32_nv(xm, r, K, wv, 2, vstride, sv, bv, ym, N, vv); break;
+                    PCASE(1) PCASE(2) PCASE(3) PCASE(4) PCASE(5) PCASE(6)
+#undef PCASE
+                    default: break;
+                }
+            }
+        }
+    for (int v = v0; v < nv; v++) {
         const char *wv = (const char *)wp + v * block_bytes(storage);
         const uint16_t *sv = scale ? scale + v * 16 : NULL, *bv = bias ? bias + v * 16 : NULL;
         const int64_t vv = valid - v * 16;

@@ -93,7 +93,7 @@ def test_packed_linear_matches_f_linear(dtype, bias, vnni):
 def test_kernel_paths_meet_the_float32_summation_bound_at_every_batch_shape(n, k, path, monkeypatch):
     """Outputs that are not a whole vector or panel (n % 16, n % 64), batches that end mid-pass (6 rows), mid
     tile (16) or mid work item (32, 48), past x's conversion to float32 in blocks (`fma`, 300): each path, forced,
-    within the float32-summation bound of float64 (`fma`: bf16 in float32 passes from 32 rows).
+    within the float32-summation bound of float64 (`fma`: bf16 in float32 passes from 2 rows).
     K = 34 is no multiple of an AMX tile's 32: that call takes the VNNI path on every CPU."""
     kernel = vnni_kernel()
     if path == "amx" and not kernel.amx:
@@ -118,7 +118,7 @@ def test_a_row_is_the_same_alone_or_in_any_batch(path, monkeypatch):
     """Bitwise, by construction: a row's sums come from its own x row in one fixed order (VNNI passes and AMX
     tile rows are independent of each other), so while one path runs, batching never changes a result. bf16
     takes AMX tiles from one row where the CPU has them (AMX_MIN_ROWS), so an engine's bf16 linears are
-    batch-invariant on both kinds of CPU. `fma` (Intel cores without AMX): from 32 rows bf16 runs float32 passes
+    batch-invariant on both kinds of CPU. `fma` (Intel cores without AMX): from 2 rows bf16 runs float32 passes
     in vdpbf16ps's own order and roundings, so a row of 1 (vdpbf16ps) and of 300 (float32, x converted in blocks)
     agree too."""
     kernel = vnni_kernel()
