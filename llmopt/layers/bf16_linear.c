@@ -22,9 +22,9 @@
 // rows, a pass sums each group's products in its own float32 lanes and folds them into the output's with one
 // multiply-add by the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16
 // by one table lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where
-// vdpbf16ps is slow, float32 for FMAs; the int8 passes too). Past that (prefill), each panel is dequantized once
-// per work item to bf16 (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the
-// passes are bf16's: the folds cost a fifth of the compute-bound passes' speed. On AMX tiles
+// vdpbf16ps is slow, float32 for FMAs; the int8 passes too, and bf16's from 2 rows in vdpbf16ps's own order).
+// Past that (prefill), each panel is dequantized once per work item to bf16 (q - 8) * s, rounded as torch rounds
+// it (what transformers and vLLM compute), and the passes are bf16's: the folds cost a fifth of the compute-bound passes' speed. On AMX tiles
 // (bf16_linear_int4_amx, which packed_linear.py picks from 6 rows) the panels are dequantized the same way at
 // every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
@@ -380,7 +380,8 @@ static inline __attribute__((always_inline)) void panel_bf16_f32_nv(const float 
         }
         for (int m = 0; m < mt; m++) {
             const __m512 xe = _mm512_set1_ps(x[m * K + k]), xo = _mm512_set1_ps(x[m * K + k + 1]);
-            for (int v = 0; v < nv; v++) acc[m][v] = _mm512_fmadd_ps(even[v], xe, _mm512_fmadd_ps(odd[v], xo, acc[m][v]));
+            for (int v = 0; v < nv; v++)
+                acc[m][v] = _mm512_fmadd_ps(even[v], xe, _mm512_fmadd_ps(odd[v], xo, acc[m][v]));
         }
     }
     for (int v = 0; v < nv; v++) {
@@ -1035,7 +1036,8 @@ int bf16_linear_amx_available(void) { return 0; }
 #ifdef __AVX512BF16__
 // Rows [m0, m_end) against blocks [vb, ve) of one panel (w: its weights in storage ws, `width` outputs; sp, bp, yp,
 // gs: its scales, bias, outputs at row 0 and group scales) in VNNI passes of up to `step` rows (int4 with group
-// folds: passes of even size, as few as step allows), or in float32 passes on xf (int8, bf16_linear_set_fma).
+// folds: passes of even size, as few as step allows), or in float32 passes on xf (int8, and bf16 from
+// F32_BF16_ROWS, where bf16_linear_set_fma is on; passes of even size too).
 static void passes(const uint16_t *x, const float *xf, int64_t m0, int64_t m_end, int64_t K, const void *w, int ws,
                    int64_t width, int64_t vb, int64_t ve, const uint16_t *sp, const uint16_t *bp, uint16_t *yp,
                    int64_t N, int64_t valid, int grouped, int step, int64_t group, const uint16_t *gs) {
@@ -1056,9 +1058,9 @@ static void passes(const uint16_t *x, const float *xf, int64_t m0, int64_t m_end
     }
 }
 
-// The work both paths share. Where the weights are read as they are (the passes, up to WIDEN_ROWS rows of int8 and
-// WIDEN_ROWS_INT4 of int4, and bf16 without AMX), units of 16 outputs x M_CHUNK rows, an equal run per thread
-// (unit_item). Where each int8 or int4 panel is widened to bf16 once per item (`widen`), or multiplied on AMX tiles
+// The work both paths share. Where the weights are read as they are (the passes: bf16 off AMX, int8 up to
+// WIDEN_ROWS rows or at any in float32 passes, int4 up to WIDEN_ROWS_INT4), units of 16 outputs x M_CHUNK rows, an
+// equal run per thread (unit_item). Where each int8 or int4 panel is widened to bf16 once per item (`widen`), or multiplied on AMX tiles
 // (`amx`), items of a whole panel x `chunk` rows over the threads, so a panel is widened once and its tiles are
 // whole.
 static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,

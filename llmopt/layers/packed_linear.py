@@ -36,8 +36,9 @@ AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 5, torch.uint8: INT4_AMX_ROWS}
 # CPUs whose int8 and int4 passes multiply in float32 FMAs rather than vdpbf16ps (bf16_linear_set_fma): on Intel
 # cores vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share, and with the weights
 # cold the passes of 1-5 rows ran 1.11-1.46x (int4) and 1.04-1.34x (int8) faster in FMAs (docs/BENCHMARKS.md,
-# "float32 passes"); AMD's Zen 4 is documented to run vdpbf16ps at an FMA's cost with twice the products, and
-# keeps it (not measured there)
+# "float32 passes"); bf16 weights from 2 rows too, in vdpbf16ps's own order (1.03-1.46x at 2-512 rows on an Intel
+# Xeon without AMX, "An Intel Xeon without AMX"); AMD's Zen 4 is documented to run vdpbf16ps at an FMA's cost with
+# twice the products, and keeps it (not measured there)
 FMA_VENDORS = ("GenuineIntel",)
 
 
@@ -73,8 +74,9 @@ class Bf16LinearKernel:
 
     @property
     def fma(self) -> bool:
-        """Whether the int8 and int4 passes off AMX multiply in float32 FMAs (else vdpbf16ps); settable, for
-        tests and benchmarks. Both meet the same float32-summation bound; their roundings differ."""
+        """Whether the int8 and int4 passes off AMX (and bf16's from 2 rows) multiply in float32 FMAs (else
+        vdpbf16ps); settable, for tests and benchmarks. Both meet the same float32-summation bound; int8's and int4's
+        roundings differ, bf16's are the same (vdpbf16ps's order)."""
         return self._get_fma is not None and bool(self._get_fma())
 
     @fma.setter
