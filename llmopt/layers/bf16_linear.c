@@ -172,6 +172,23 @@ static inline __m512i int4_spread(void) {
                             0x80018001, 0x80008000);
 }
 
+// The end of a pass: each row's sums of nv vectors (acc[m * stride + v]) times the outputs' scales (or 1), plus
+// their bias (or 0), rounded to bf16 once, and the outputs past `valid` left unwritten
+static inline __attribute__((always_inline)) void store_sums(const __m512 *acc, const int stride, const int mt,
+                                                             const int nv, const uint16_t *scale,
+                                                             const uint16_t *bias, uint16_t *y, int64_t N,
+                                                             int64_t valid) {
+    for (int v = 0; v < nv; v++) {
+        const int64_t left = valid - v * 16;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __m512 s = scale ? load_bf16x16(scale + v * 16, mask) : _mm512_set1_ps(1.f);
+        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
+        for (int m = 0; m < mt; m++)
+            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m * stride + v], s, b)));
+    }
+}
+
 // rows x[0..mt) against nv vectors of a panel whose pair rows hold vstride vectors (nv < vstride: a part of
 // the panel, wp at its first vector); `valid` of its outputs are written (the rest is padding).
 // `group` > 0: each group of that many inputs is summed apart and folded in by gscale (the group scales of this
@@ -231,15 +248,7 @@ static inline __attribute__((always_inline)) void panel_mt_nv(const uint16_t *x,
             }
         }
     }
-    for (int v = 0; v < nv; v++) {
-        const int64_t left = valid - v * 16;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        const __m512 s = scale ? load_bf16x16(scale + v * 16, mask) : _mm512_set1_ps(1.f);
-        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
-        for (int m = 0; m < mt; m++)
-            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][v], s, b)));
-    }
+    store_sums(&acc[0][0], (int)(sizeof acc[0] / sizeof acc[0][0]), mt, nv, scale, bias, y, N, valid);
 }
 
 #define CASE(mt, nv) case (mt) * 8 + (nv): \
@@ -384,15 +393,7 @@ static inline __attribute__((always_inline)) void panel_bf16_f32_nv(const float 
                 acc[m][v] = _mm512_fmadd_ps(even[v], xe, _mm512_fmadd_ps(odd[v], xo, acc[m][v]));
         }
     }
-    for (int v = 0; v < nv; v++) {
-        const int64_t left = valid - v * 16;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        const __m512 s = scale ? load_bf16x16(scale + v * 16, mask) : _mm512_set1_ps(1.f);
-        const __m512 b = bias ? load_bf16x16(bias + v * 16, mask) : _mm512_setzero_ps();
-        for (int m = 0; m < mt; m++)
-            _mm256_mask_storeu_epi16(y + m * N + v * 16, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][v], s, b)));
-    }
+    store_sums(&acc[0][0], (int)(sizeof acc[0] / sizeof acc[0][0]), mt, nv, scale, bias, y, N, valid);
 }
 
 #define ICASE(mt, nv) case (mt) * 8 + (nv): \
