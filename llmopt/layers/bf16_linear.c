@@ -53,6 +53,9 @@
 #endif
 #define X_ROWS_F32 256   // float32 passes: x converted to float32 this many rows at a time
 #define WIDEN_ROWS_INT4 64  // int4: past this many rows, panels are dequantized to bf16 once per item (measured)
+// the same where the passes run float32 FMAs (bf16_linear_set_fma): the dequantized panels then run bf16's float32
+// passes: 1.2-1.4x the int4 passes' group folds at 32-64 rows, parity at 13-24 (Intel Xeon VM without AMX)
+#define WIDEN_ROWS_INT4_F32 16
 enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 #define AMX_ITEM 32   // AMX: activation rows per work item, one block of two A tiles
 // Software prefetch distances (bytes) for the weight streams: a decode-size call is bound by how fast the weight
@@ -121,22 +124,22 @@ int bf16_linear_isa(void) {
 
 int bf16_linear_available(void) { return bf16_linear_isa() > 0; }
 
+// Whether the passes off AMX (int8 and int4, bf16 from F32_BF16_ROWS) multiply in float32 FMAs instead of
+// vdpbf16ps: packed_linear.py turns it on where that is faster (Intel cores). Process-wide: the decode step and the
+// MoE block call these same functions.
+static int fma_passes;
+void bf16_linear_set_fma(int on) { fma_passes = on != 0; }
+int bf16_linear_fma(void) { return fma_passes; }
+
 // The rows past which int4 panels are dequantized to bf16 once per work item (off AMX), so a call's products
-// are those of torch's rounded (q - 8) * s and no longer exact: the tests' threshold.
+// are those of torch's rounded (q - 8) * s and no longer exact: the tests' threshold (it follows the fma switch).
 int bf16_linear_int4_widen_rows(void) {
 #if defined(__AVX512BF16__)
-    return WIDEN_ROWS_INT4;
+    return fma_passes ? WIDEN_ROWS_INT4_F32 : WIDEN_ROWS_INT4;
 #else
     return 0x7fffffff;  // the AVX2 passes never dequantize
 #endif
 }
-
-// Whether the int8 and int4 passes (up to WIDEN_ROWS / WIDEN_ROWS_INT4 rows, off AMX) multiply in float32 FMAs
-// instead of vdpbf16ps: packed_linear.py turns it on where that is faster (Intel cores). Process-wide: the decode
-// step and the MoE block call these same functions.
-static int fma_passes;
-void bf16_linear_set_fma(int on) { fma_passes = on != 0; }
-int bf16_linear_fma(void) { return fma_passes; }
 
 #ifdef __AVX512BF16__
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {  // 16 bf16 as float32, masked
@@ -1082,7 +1085,8 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
     const int64_t n16 = (N + 15) / 16 * 16, panels = (n16 + PANEL - 1) / PANEL, chunks = (M + chunk - 1) / chunk;
     // int8 and int4 panels widened to bf16 once per item: on AMX tiles, and past a number of rows (int8 not in
     // float32 passes, whose conversion costs what a widened panel's does)
-    const int widen = storage != W_BF16 && (amx || (storage == W_INT4 ? M > WIDEN_ROWS_INT4 : !f32 && M > WIDEN_ROWS));
+    const int widen = storage != W_BF16 && (amx || (storage == W_INT4 ? M > bf16_linear_int4_widen_rows()
+                                                                        : !f32 && M > WIDEN_ROWS));
     const int grouped = storage == W_INT4 && !widen;  // a dequantized int4 panel needs no group folds
     const int step = grouped ? MT_GROUPED : f32 ? MT_F32 : MT;
     const int64_t ng = storage == W_INT4 ? K / group : 0;

@@ -62,15 +62,19 @@ class Bf16LinearKernel:
         # AVX2 passes has no bf16_linear_isa: then AVX512-BF16 or nothing)
         isa = getattr(lib, "bf16_linear_isa", None)
         self.isa = {2: "avx512-bf16", 1: "avx2"}.get(int(isa()) if isa is not None else 2 * self.available, "none")
-        widen = getattr(lib, "bf16_linear_int4_widen_rows", None)
-        # past this many rows (off AMX) int4 panels are dequantized to bf16 first: torch's rounded (q - 8) * s
-        self.int4_widen_rows = int(widen()) if widen is not None else 64
+        self._int4_widen_rows = getattr(lib, "bf16_linear_int4_widen_rows", None)
         self.amx = self.available and bool(lib.bf16_linear_amx_available())
         self.amx_min_rows = dict(AMX_MIN_ROWS)
         self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
         # the library's switch (absent from a library built before it: then always off)
         self._set_fma, self._get_fma = getattr(lib, "bf16_linear_set_fma", None), getattr(lib, "bf16_linear_fma", None)
         self.fma = native.cpu_vendor() in FMA_VENDORS
+
+    @property
+    def int4_widen_rows(self) -> int:
+        """Past this many rows (off AMX) int4 panels are dequantized to bf16 first (torch's rounded (q - 8) * s):
+        16 where the passes run FMAs (`fma`), 64 with vdpbf16ps; never on the AVX2 passes."""
+        return int(self._int4_widen_rows()) if self._int4_widen_rows is not None else 64
 
     @property
     def fma(self) -> bool:
