@@ -23,10 +23,10 @@
 // multiply-add by the 16 outputs' scales, so no weight is ever scaled (exact products); the nibbles become bf16
 // by one table lookup (vpermw) per 32 weights (or, with bf16_linear_set_fma on, as on Intel cores where
 // vdpbf16ps is slow, float32 for FMAs; the int8 passes too, and bf16's from 2 rows in vdpbf16ps's own order).
-// Past that (prefill), each panel is dequantized once per work item to bf16 (q - 8) * s, rounded as torch rounds
-// it (what transformers and vLLM compute), and the passes are bf16's: the folds cost a fifth of the compute-bound passes' speed. On AMX tiles
-// (bf16_linear_int4_amx, which packed_linear.py picks from 6 rows) the panels are dequantized the same way at
-// every row count.
+// Past that (prefill; past WIDEN_ROWS_INT4_F32 with the FMAs), each panel is dequantized once per work item to bf16
+// (q - 8) * s, rounded as torch rounds it (what transformers and vLLM compute), and the passes are bf16's: the folds
+// cost a fifth of the compute-bound passes' speed. On AMX tiles (bf16_linear_int4_amx, which packed_linear.py
+// picks from 6 rows) the panels are dequantized the same way at every row count.
 #define _GNU_SOURCE  // syscall() for the AMX permission request
 #include <stdint.h>
 #include <stdlib.h>
@@ -68,7 +68,7 @@ enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
 // from DRAM (545 MB, past what the VM's share of the L3 holds), 1.07-1.14x at one row over prefetcht0 2 KB ahead,
 // 1.03-1.06x at two (any of 4-32 KB ahead; docs/BENCHMARKS.md, "prefetching into L2")
 #define PF_L2 8192
-#define PF_F32 16384  // float32 passes over one vector of a panel (panel_f32_nv)
+#define PF_F32 16384  // float32 passes over a vector or two of a panel (int8's past 4 rows, bf16's)
 
 // Bytes of one 16-output block's pair row (two k of 16 outputs) in a panel of each storage
 static inline int64_t block_bytes(int storage) { return storage == W_BF16 ? 64 : storage == W_INT8 ? 32 : 16; }
@@ -402,9 +402,12 @@ static inline __attribute__((always_inline)) void panel_bf16_f32_nv(const float 
 #define ICASE(mt, nv) case (mt) * 8 + (nv): \
     panel_int8_f32_nv(x, mt, K, (const int8_t *)wp, nv, vstride, scale, bias, y, N, valid); \
     break;
-#define RCASE(r) case r: \
+#define RCASE(r) case (r) * 4 + 1: \
     if (storage == W_INT8) panel_int8_f32_nv(xm, r, K, (const int8_t *)wv, 1, vstride, sv, bv, ym, N, vv); \
     else panel_bf16_f32_nv(xm, r, K, (const uint16_t *)wv, 1, vstride, sv, bv, ym, N, vv); \
+    break;
+#define PCASE(r) case (r) * 4 + 2: \
+    panel_bf16_f32_nv(xm, r, K, (const uint16_t *)wv, 2, vstride, sv, bv, ym, N, vv); \
     break;
 
 // The float32 passes over an int8 or bf16 panel (x in float32). int8 up to 4 rows over the whole panel: past 2 rows
@@ -423,36 +426,21 @@ static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int sto
         }
         return;
     }
-    // bf16: two vectors a pass, up to 6 rows (of even size): 14 loads to 24 FMAs where one vector and 12 rows take
-    // 26, each x broadcast by its FMA (1.19-1.24x at 32-512 rows); the odd vector out alone, below
-    int v0 = 0;
-    if (storage == W_BF16)
-        for (; v0 + 1 < nv; v0 += 2) {
-            const uint16_t *wv = (const uint16_t *)wp + v0 * 32;
-            const uint16_t *sv = scale ? scale + v0 * 16 : NULL, *bv = bias ? bias + v0 * 16 : NULL;
-            const int64_t vv = valid - v0 * 16;
-            const int count = (mt + 5) / 6, step = (mt + count - 1) / count;
-            for (int m0 = 0; m0 < mt; m0 += step) {
-                const float *xm = x + m0 * K;
-                uint16_t *ym = y + m0 * N + v0 * 16;
-                switch (mt - m0 < step ? mt - m0 : step) {
-#define PCASE(r) case r: panel_bf16_f32_nv(xm, r, K, wv, 2, vstride, sv, bv, ym, N, vv); break;
-                    PCASE(1) PCASE(2) PCASE(3) PCASE(4) PCASE(5) PCASE(6)
-#undef PCASE
-                    default: break;
-                }
-            }
-        }
-    for (int v = v0; v < nv; v++) {
+    // Past that, a vector at a time in passes of up to MT_F32 rows; bf16 two vectors at a time in passes of up to 6
+    // (14 loads to 24 FMAs where one vector and 12 rows take 26, each x broadcast by its FMA: 1.19-1.24x at 32-512
+    // rows), the odd vector out alone; passes of even size
+    for (int v = 0, n; v < nv; v += n) {
+        n = storage == W_BF16 && nv - v >= 2 ? 2 : 1;
+        const int most = n == 2 ? 6 : MT_F32, count = (mt + most - 1) / most, step = (mt + count - 1) / count;
         const char *wv = (const char *)wp + v * block_bytes(storage);
         const uint16_t *sv = scale ? scale + v * 16 : NULL, *bv = bias ? bias + v * 16 : NULL;
         const int64_t vv = valid - v * 16;
-        for (int m0 = 0; m0 < mt; m0 += MT_F32) {
+        for (int m0 = 0; m0 < mt; m0 += step) {
             const float *xm = x + m0 * K;
             uint16_t *ym = y + m0 * N + v * 16;
-            switch (mt - m0 < MT_F32 ? mt - m0 : MT_F32) {
+            switch ((mt - m0 < step ? mt - m0 : step) * 4 + n) {
                 RCASE(1) RCASE(2) RCASE(3) RCASE(4) RCASE(5) RCASE(6) RCASE(7) RCASE(8) RCASE(9) RCASE(10)
-                RCASE(11) RCASE(12)
+                RCASE(11) RCASE(12) PCASE(1) PCASE(2) PCASE(3) PCASE(4) PCASE(5) PCASE(6)
                 default: break;
             }
         }
@@ -1063,10 +1051,10 @@ static void passes(const uint16_t *x, const float *xf, int64_t m0, int64_t m_end
 }
 
 // The work both paths share. Where the weights are read as they are (the passes: bf16 off AMX, int8 up to
-// WIDEN_ROWS rows or at any in float32 passes, int4 up to WIDEN_ROWS_INT4), units of 16 outputs x M_CHUNK rows, an
-// equal run per thread (unit_item). Where each int8 or int4 panel is widened to bf16 once per item (`widen`), or multiplied on AMX tiles
-// (`amx`), items of a whole panel x `chunk` rows over the threads, so a panel is widened once and its tiles are
-// whole.
+// WIDEN_ROWS rows or at any in float32 passes, int4 up to bf16_linear_int4_widen_rows), units of 16 outputs x
+// M_CHUNK rows, an equal run per thread (unit_item). Where each int8 or int4 panel is widened to bf16 once per item
+// (`widen`), or multiplied on AMX tiles (`amx`), items of a whole panel x `chunk` rows over the threads, so a panel
+// is widened once and its tiles are whole.
 static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int storage, const uint16_t *scale,
                const uint16_t *bias, int64_t N, uint16_t *y, int nthreads, int amx, int64_t group,
                const uint16_t *gscale) {
