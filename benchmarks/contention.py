@@ -97,7 +97,7 @@ def spinners(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-SETTLE_S = 1.5  # `auto` decides by the last second's load (threads.LoadSampler): the previous variant's run is in it
+SETTLE_S = 1.5  # `auto` decides by the last half second's load (threads.LoadSampler): the previous variant's run is in it
 
 
 def main() -> None:

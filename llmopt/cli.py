@@ -21,7 +21,7 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
-THREADS_DEFAULT = "auto"  # llmopt.engine.threads.COMMAND_DEFAULT, without importing torch for --help
+THREADS_DEFAULT = "auto"  # llmopt.engine.config.COMMAND_DEFAULT, without importing pydantic for --help
 FIXED_THREADS_HELP = ("CPU threads for the whole run (default: torch's, the cores or OMP_NUM_THREADS). A fixed "
                       "count: GPTQ rounds differently with another, so the report records it.")
 THREADS_HELP = ("CPU threads: N, or auto (the cores other processes leave free, followed while running; "

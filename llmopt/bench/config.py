@@ -26,8 +26,7 @@ from llmopt.bench.scenarios import DEFAULT_STATIC_BATCH_SIZE, Scenario, Scenario
 from llmopt.bench.trace_workload import MOONCAKE_BLOCK_SIZE, TraceWorkload
 from llmopt.bench.workload_spec import AnyWorkload
 from llmopt.bench.workloads import JsonlWorkload, PrefixWorkload, RandomWorkload, parse_length
-from llmopt.engine.config import EngineConfig, parse_threads
-from llmopt.engine.threads import COMMAND_DEFAULT
+from llmopt.engine.config import COMMAND_DEFAULT, EngineConfig, parse_threads
 from llmopt.errors import LlmoptError
 from llmopt.gates import Gate
 from llmopt.io import check_output_file

@@ -84,8 +84,9 @@ def engine_target_info(config: EngineConfig, engine: LLMEngine) -> TargetInfo:
 
 
 def load_tokenizer(model: str | None) -> Any:
-    """The tokenizer of MODEL (alias, HF directory or .gguf; None: the embedded model), without weights."""
+    """The tokenizer of MODEL (alias, HF directory or .gguf; None: the embedded model), without weights, for
+    the prompts' text (and without torch, for a client: `load_text_tokenizer`)."""
     from llmopt.models.resolve import resolve_model, weights_dir
-    from llmopt.models.tokenizer import load_tokenizer as load_from_directory
+    from llmopt.models.tokenizer import load_text_tokenizer as load_from_directory
 
     return load_from_directory(weights_dir(resolve_model(model)))

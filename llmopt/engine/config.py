@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from llmopt.engine.spec_decode import SpeculativeConfig
 from llmopt.units import parse_bytes
 
+COMMAND_DEFAULT = "auto"  # the thread count generate / serve / bench run with unless --threads says otherwise
+
 
 def parse_threads(v: object) -> int | str | None:
     """A thread count as configs and flags give it (3, "3", "auto", None); ValueError otherwise."""

@@ -21,8 +21,9 @@ from llmopt.engine.request import Request, RequestError, check_request, make_seq
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.scheduler import SchedulerOutput
 from llmopt.engine.sequence import Sequence, SequenceStatus
-from llmopt.engine.spec_decode import SpecCounters, SpeculativeConfig
+from llmopt.engine.spec_decode import SpeculativeConfig
 from llmopt.engine.spec_decode.speculator import Speculator
+from llmopt.engine.spec_decode.state import SpecCounters
 from llmopt.engine.stats import FinishedRequest, StepStats
 
 __all__ = ["LLMEngine", "RequestError"]

@@ -6,11 +6,13 @@ milliseconds, and every region of a decode step (hundreds per token) waits for i
 cores busy elsewhere, decode fell to 17% of its quiet speed (issue #31; llama.cpp falls as far). The
 same step on the cores nobody else is using keeps the share those cores can give. So `auto` counts the
 cores other processes keep busy (from /proc/stat, less this process's own time) and runs on the rest,
-following a neighbour that comes or goes within about a second. The load is read once a second on a thread of
-its own (`LoadSampler`) and the engine takes the last reading between steps: read only between steps, the first
+following a neighbour that comes or goes within half a second. The load is read four times a second on a thread
+of its own (`LoadSampler`) and the engine takes its reading between steps: read only between steps, the first
 reading after an idle stretch averaged over the whole stretch, load long gone included, and a decode that
 started on a quiet machine ran its first second on too few threads (docs/BENCHMARKS.md, "Decode on a shared
-CPU").
+CPU"). A core counts as taken only when two windows in a row say so, and as free again from the first window
+that says so: a neighbour's burst of a fraction of a second (a benchmark client starting) costs no threads, and
+the cores come back a quarter of a second after it ends, not a second ("The benchmark client's start").
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 log = logging.getLogger(__name__)
 
 Threads = int | Literal["auto"] | None  # None: leave torch's setting as it is
-COMMAND_DEFAULT = "auto"  # what generate / serve / bench run with unless --threads says otherwise
-RECHECK_S = 1.0  # how often `auto` looks at the other processes' load, at most
+RECHECK_S = 1.0  # how often `auto` reads the load itself between steps (no sampler thread: a forked process)
+SAMPLE_S = 0.25  # the sampler thread's window
+SUSTAIN = 2  # windows in a row that must see a neighbour before `auto` gives up its core
 BUSY_CORE = 0.5  # a core counts as taken when other processes used more than this share of it
 
 
@@ -84,12 +87,15 @@ class CpuLoad:
 
 class LoadSampler:
     """`load.others()` every `period` seconds on a daemon thread: `latest` is the last full window's reading
-    (None before the first). Stops on `close()`; a process forked from this one has no such thread
-    (`alive` is False there), and its policy reads the load itself."""
+    (None before the first), `sustained` the least of the last SUSTAIN (the load that has lasted). Stops on
+    `close()`; a process forked from this one has no such thread (`alive` is False there), and its policy
+    reads the load itself."""
 
-    def __init__(self, load: CpuLoad, period: float = RECHECK_S):
+    def __init__(self, load: CpuLoad, period: float = SAMPLE_S):
         self._load, self.period = load, period
         self.latest: float | None = None
+        self.sustained: float | None = None
+        self._recent: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmopt-cpu-load", daemon=True)
         self._thread.start()
@@ -98,7 +104,12 @@ class LoadSampler:
         while not self._stop.wait(self.period):
             others = self._load.others()
             if others is not None:
-                self.latest = others
+                self.record(others)
+
+    def record(self, others: float) -> None:
+        """One window's reading (the thread's; a test's)."""
+        self._recent = [*self._recent[1 - SUSTAIN:], others]
+        self.latest, self.sustained = others, min(self._recent)
 
     @property
     def alive(self) -> bool:
@@ -157,7 +168,7 @@ class ThreadPolicy:
 
     def _pick(self, current: int) -> int:
         if self._sampler is not None and self._sampler.alive:
-            others = self._sampler.latest
+            others = self._sampler.sustained
         elif self._load is not None:  # a scripted load, the first reading, or a forked process (no sampler thread)
             others = self._load.others()
         else:  # a caller's sampler, closed: keep the count
@@ -167,7 +178,7 @@ class ThreadPolicy:
     def tick(self) -> None:
         """Between engine steps: put back this engine's count if another engine in the process changed
         torch's (an A/B of two thread settings); with `auto`, move to the cores now free (by the sampler's
-        last reading, or at most once per RECHECK_S by reading the load here)."""
+        sustained reading, or at most once per RECHECK_S by reading the load here)."""
         if not self.sets:
             return
         if torch.get_num_threads() != self.threads:

@@ -9,7 +9,8 @@ import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.engine.scoring import iter_logits
-from llmopt.engine.spec_decode import SpeculativeConfig, ngram_propose
+from llmopt.engine.spec_decode import SpeculativeConfig
+from llmopt.engine.spec_decode.ngram import ngram_propose
 from llmopt.errors import LlmoptError
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.recipe import QuantizeConfig

@@ -13,7 +13,7 @@ import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.engine.llm_engine import RequestError
-from llmopt.engine.spec_decode import verify
+from llmopt.engine.spec_decode.verifier import verify
 from llmopt.engine.structured_output import (
     GrammarError,
     StructuredOutputCompiler,

@@ -127,6 +127,25 @@ def test_auto_decides_by_the_last_reading_not_by_an_idle_stretch():
         sampler.close()
 
 
+def test_a_neighbour_counts_once_two_windows_see_it_and_stops_counting_at_the_first_without():
+    """A burst of one window (a benchmark client starting next to a server) takes no thread; a neighbour
+    that stays takes one from its second window; once it leaves, the first quiet window gives it back."""
+    from llmopt.engine.threads import SUSTAIN, LoadSampler
+
+    sampler = LoadSampler(Quiet([]), period=3600)  # no window of its own in this test: `record` is the input
+    try:
+        policy = ThreadPolicy("auto", most=2, sampler=sampler)
+        seen = []
+        for others in [0.0, 1.0, 0.1] + [1.0] * SUSTAIN + [1.0, 0.05, 0.0]:
+            sampler.record(others)
+            policy.tick()
+            seen.append(policy.threads)
+        assert seen == [2, 2, 2] + [2] * (SUSTAIN - 1) + [1, 1, 2, 2]
+        assert sampler.latest == 0.0 and sampler.sustained == 0.0
+    finally:
+        sampler.close()
+
+
 def test_a_real_auto_policy_samples_on_its_own_thread_and_stops_with_it():
     import gc
     import threading
