@@ -19,9 +19,9 @@ def load_tokenizer(directory: str | Path):
 def load_text_tokenizer(directory: str | Path):
     """The tokenizer for encoding and decoding text only (benchmark prompts), without torch where the
     directory has a `tokenizer.json`: `AutoTokenizer` imports transformers' model configs, and with them
-    torch, which cost `llmopt bench --url` 2.7 s of a core before every run (docs/BENCHMARKS.md, "The
+    torch, which cost `llmopt bench --url` over a second of a core before every run (docs/BENCHMARKS.md, "The
     benchmark client's start"). `PreTrainedTokenizerFast` over the same file encodes and decodes as
-    `AutoTokenizer`'s does (SmolLM2's and Gemma 3's, tested); without the file, `load_tokenizer`."""
+    `AutoTokenizer`'s does (SmolLM2's tested, Gemma 3's measured once); without the file, `load_tokenizer`."""
     if not (Path(directory) / "tokenizer.json").is_file():
         return load_tokenizer(directory)
     from transformers import PreTrainedTokenizerFast

@@ -13,7 +13,7 @@ from llmopt.layers.packed_linear import vnni_kernel
 from llmopt.models import ModelSpec, resolve_model
 from llmopt.models import resolve as resolve_mod
 from llmopt.models.resolve import weights_dir
-from tests.conftest import requires_smollm2
+from tests.conftest import SHARED_DATA, requires_smollm2
 
 LLAMA3_8B = {
     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -101,6 +101,30 @@ def test_default_alias_is_smollm2():
     s = r.spec
     assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (30, 9, 3, 64)
     assert s.num_params() == 134_515_008 and s.tie_word_embeddings
+
+
+@pytest.mark.parametrize("which", ["tiny", pytest.param("smollm2", marks=requires_smollm2)])
+def test_the_text_tokenizer_encodes_and_decodes_as_the_full_one(which, tiny_llama):
+    """`load_text_tokenizer` (benchmark prompts, without torch) against `load_tokenizer` (AutoTokenizer):
+    the same ids for text, with and without special tokens, the same text for random ids, the same
+    vocabulary and special ids."""
+    import random
+
+    from llmopt.models.tokenizer import load_text_tokenizer, load_tokenizer
+
+    directory = tiny_llama if which == "tiny" else weights_dir(resolve_model("smollm2-135m"))
+    full, text = load_tokenizer(directory), load_text_tokenizer(directory)
+    sample = "The capital of France is Paris.\n  Ünïcode, digits 12345 and <tags> too!" * 20
+    wiki = SHARED_DATA / "wikitext2-valid.txt"
+    if wiki.is_file():  # read when present
+        sample += wiki.read_text()[:20000]
+    assert text.encode(sample, add_special_tokens=False) == full.encode(sample, add_special_tokens=False)
+    assert text.encode(sample) == full.encode(sample)
+    assert len(text) == len(full) and sorted(text.all_special_ids) == sorted(full.all_special_ids)
+    rng = random.Random(0)
+    ids = [rng.randrange(len(full)) for _ in range(3000)]
+    assert text.decode(ids) == full.decode(ids)
+    assert all(text.decode([i]) == full.decode([i]) for i in range(0, len(full), 5))
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path):

@@ -6,9 +6,9 @@ token. Rejected drafts' KV slots are never counted as computed, so they are over
 `speculator.py` is what the engine calls; proposers are `ngram.py` and `model_proposer.py`
 (layer_skip, draft); `state.py` holds the per-sequence state and the counters.
 
-Only the config is exported here: configs (the engine's, the recipe's, `llmopt bench`'s) import it without
-torch, so a benchmark client against a server starts in half a second rather than three. The rest is
-imported from its own module.
+Only the config is exported here, so that configs (the engine's, `llmopt bench`'s) import it without torch: a
+benchmark client against a server never imports torch (docs/BENCHMARKS.md, "The benchmark client's start").
+The rest is imported from its own module.
 """
 
 from llmopt.engine.spec_decode.config import SpeculativeConfig
