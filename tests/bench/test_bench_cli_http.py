@@ -39,13 +39,14 @@ def test_sweep_against_a_server_with_metrics(fake_server, tiny_llama, tmp_path, 
     assert "knee (" in out and "gate PASS completed>=4" in out
 
 
-def test_a_client_run_never_imports_torch(fake_server, tmp_path):
+def test_a_client_run_never_imports_torch(fake_server, tiny_llama, tmp_path):
     """`llmopt bench --url` is a client: importing torch cost it 2.7 s of a core before each run, which a
     server on the same machine saw as a neighbour (its `--threads auto` then prefilled the first requests on
     one thread: docs/BENCHMARKS.md, "The benchmark client's start"). Every module the run imports is listed
-    by `-X importtime`; torch must not be one."""
+    by `-X importtime`; torch must not be one. (`--tokenizer` an HF directory: the default model's is a GGUF,
+    which a cold cache converts to weights first, with torch.)"""
     p = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmopt", "bench", "--url", fake_server.url,
-                        "--input-len", "6", "--output-len", "3", "--num-prompts", "2", "--warmup", "1",
+                        "--tokenizer", str(tiny_llama), "--input-len", "6", "--output-len", "3", "--num-prompts", "2", "--warmup", "1",
                         "--json", "r.json", "--no-progress"],
                        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
