@@ -93,9 +93,7 @@ class LoadSampler:
 
     def __init__(self, load: CpuLoad, period: float = SAMPLE_S):
         self._load, self.period = load, period
-        self.latest: float | None = None
-        self.sustained: float | None = None
-        self._recent: list[float] = []
+        self._recent: list[float] = []  # the last SUSTAIN readings, replaced whole (read from another thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmopt-cpu-load", daemon=True)
         self._thread.start()
@@ -108,8 +106,17 @@ class LoadSampler:
 
     def record(self, others: float) -> None:
         """One window's reading (the thread's; a test's)."""
-        self._recent = [*self._recent[1 - SUSTAIN:], others]
-        self.latest, self.sustained = others, min(self._recent)
+        self._recent = [*self._recent, others][-SUSTAIN:]
+
+    @property
+    def latest(self) -> float | None:
+        recent = self._recent
+        return recent[-1] if recent else None
+
+    @property
+    def sustained(self) -> float | None:
+        recent = self._recent
+        return min(recent) if recent else None
 
     @property
     def alive(self) -> bool:
