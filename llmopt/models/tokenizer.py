@@ -10,10 +10,7 @@ from llmopt.errors import LlmoptError
 def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as e:  # transformers raises many kinds for a missing or broken tokenizer
-        raise LlmoptError(f"cannot load the tokenizer from {directory}: {str(e).splitlines()[0]}") from None
+    return _from_pretrained(AutoTokenizer, directory)
 
 
 def load_text_tokenizer(directory: str | Path):
@@ -26,7 +23,11 @@ def load_text_tokenizer(directory: str | Path):
         return load_tokenizer(directory)
     from transformers import PreTrainedTokenizerFast
 
+    return _from_pretrained(PreTrainedTokenizerFast, directory)
+
+
+def _from_pretrained(cls, directory: str | Path):
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    except Exception as e:  # as load_tokenizer: a broken file raises many kinds
+        return cls.from_pretrained(str(directory))
+    except Exception as e:  # transformers raises many kinds for a missing or broken tokenizer
         raise LlmoptError(f"cannot load the tokenizer from {directory}: {str(e).splitlines()[0]}") from None

@@ -127,6 +127,16 @@ def test_the_text_tokenizer_encodes_and_decodes_as_the_full_one(which, tiny_llam
     assert all(text.decode([i]) == full.decode([i]) for i in range(0, len(full), 5))
 
 
+def test_a_broken_tokenizer_is_a_one_line_error_for_both_loaders(tmp_path):
+    from llmopt.models.tokenizer import load_text_tokenizer, load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    for load in (load_tokenizer, load_text_tokenizer):
+        with pytest.raises(LlmoptError, match="cannot load the tokenizer from") as e:
+            load(tmp_path)
+        assert "\n" not in str(e.value)
+
+
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "gpt2"}))
