@@ -226,12 +226,11 @@ def test_bf16_engine_packs_and_generates_what_an_eager_one_does(tiny_llama):
 @pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 32), (130, 576, 64), (64, 256, 128), (100, 96, 96), (20, 48, 16)])
 def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k, group, path, monkeypatch):
     """W4A16 on the VNNI panels (bf16_linear_int4). Up to the widening threshold (64 rows, 16 with `fma`; none on the
-    AVX2 passes)
-    nibbles are decoded
-    exactly and each group is summed and folded in by its scale (in vdpbf16ps or, `fma`, in float32 FMAs):
-    within the float32-summation bound of the exact product. Past it, and at every row count on AMX tiles (bf16_linear_int4_amx, forced here), each panel
-    is dequantized once to bf16 (q - 8) * s, rounded as torch rounds that product (what transformers computes):
-    within the same bound of that weight's product, and not of the exact one's. Rows that end mid-pass (3, 7,
+    AVX2 passes) nibbles are decoded exactly and each group is summed and folded in by its scale (in vdpbf16ps or,
+    `fma`, in float32 FMAs): within the float32-summation bound of the exact product. Past it, and at every row
+    count on AMX tiles (bf16_linear_int4_amx, forced here), each panel is dequantized once to bf16 (q - 8) * s,
+    rounded as torch rounds that product (what transformers computes): within the same bound of that weight's
+    product, and not of the exact one's. Rows that end mid-pass (3, 7,
     13), both pass shapes (1-3 rows over whole panels, 4-8 over half panels), mid AMX tile and work item (17,
     33), at and past the threshold (64, 65, 80) and outputs that are not a whole vector or panel. K = 48 is no
     multiple of an AMX tile's 32: that call keeps the VNNI path on every CPU."""
