@@ -1,14 +1,16 @@
-"""Prefill attention on AMX tiles (`prefill_attention.c`) against torch's flash SDPA, per call and in the engine.
+"""Our prefill attention kernel (`prefill_attention.c`: AMX tiles, or float32 FMAs off AMX) against what the
+head-major backend runs without it (torch's flash SDPA, or its torch.compile'd function), per call and in the engine.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/prefill_attention.py [--calls] [--engine smollm2-135m ...]
         [--prompts 2048x1,1024x1,512x4,256x4,256x1,64x1] [--rounds 10] [--chunk N]
 
 Per call (`--calls`): causal attention over one chunk of L tokens (bf16, q/k/v as views of one fused projection,
 as the engine hands them over), best of 5 x 5 calls each, for SmolLM2's, Gemma 3 270M's and two Llama-like head
-layouts. In the engine (`--engine MODEL`): greedy prefill of random prompts (N x P tokens, 1 output token, no
-prefix cache; `--chunk N`: prompts prefilled N tokens a step, each chunk after the first over the cached
-context), the kernel and SDPA switched in one process, rounds alternating ABBA, medians. Needs a CPU with
-AMX tiles (amx_bf16); elsewhere the kernel never runs and this says so.
+layouts: SDPA, the compiled function where the backend would run it at that size, and the kernel. In the engine
+(`--engine MODEL`): greedy prefill of random prompts (N x P tokens, 1 output token, no prefix cache; `--chunk N`:
+prompts prefilled N tokens a step, each chunk after the first over the cached context), the kernel and the
+backend's path without it switched in one process, rounds alternating ABBA, medians. Needs a CPU the kernel runs
+on (`prefill_attention_kernel.runs_here`); elsewhere this says so.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 import llmopt.native as native
 from llmopt.layers.attention import head_major
-from llmopt.layers.attention.prefill_attention_kernel import load
+from llmopt.layers.attention.prefill_attention_kernel import load, runs_here
 
 LAYOUTS = [(9, 3, 64, "SmolLM2-135M"), (4, 1, 256, "Gemma 3 270M (no window)"), (32, 8, 64, "1.2B-like"),
            (32, 8, 128, "Llama-3-8B")]
@@ -41,9 +43,13 @@ def best_ms(fn, reps: int = 5) -> float:
 
 
 def calls() -> None:
+    from llmopt.layers.kernels import Ops, call
+
     kernel = load()
     assert kernel is not None
-    print("| heads (q / kv) x dim | tokens | SDPA ms | AMX kernel ms | kernel / SDPA |\n|---|---|---|---|---|")
+    kind = "AMX" if kernel.amx else "float32"
+    print(f"| heads (q / kv) x dim | tokens | SDPA ms | compiled ms | {kind} kernel ms | the faster of the two / kernel |"
+          "\n|---|---|---|---|---|---|")
     for h, hkv, d, name in LAYOUTS:
         for n in (64, 256, 1024, 2048):
             qkv = torch.randn(n, (h + 2 * hkv) * d, dtype=torch.bfloat16)
@@ -56,9 +62,17 @@ def calls() -> None:
                                                    enable_gqa=h != hkv)
                 return o[0].transpose(0, 1).reshape(n, -1)
 
+            def compiled(q=q, k=k, v=v, d=d):
+                return call(Ops.COMPILED, head_major.causal_attention, q.contiguous(),
+                            k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), d ** -0.5, 0,
+                            head_major.NO_WINDOW)
+
             a = best_ms(sdpa)
+            c = best_ms(compiled) if n * n <= head_major.compiled_attention_max_scores(torch.device("cpu")) else None
             b = best_ms(lambda q=q, k=k, v=v, d=d: kernel(q, k, v, d ** -0.5))
-            print(f"| {name}: {h} / {hkv} x {d} | {n} | {a:.3f} | {b:.3f} | {a / b:.2f}x |", flush=True)
+            other = min(a, c) if c is not None else a
+            print(f"| {name}: {h} / {hkv} x {d} | {n} | {a:.3f} | {'' if c is None else f'{c:.3f}'} | {b:.3f} | "
+                  f"{other / b:.2f}x |", flush=True)
 
 
 def engine(model: str, prompts: list[tuple[int, int]], rounds: int, chunk: int | None) -> None:
@@ -78,21 +92,21 @@ def engine(model: str, prompts: list[tuple[int, int]], rounds: int, chunk: int |
         return p * n / (time.perf_counter() - t)
 
     print(f"\n{model}: prefill tok/s{f', {chunk} tokens a step' if chunk else ''}, medians of {rounds} rounds a side\n")
-    print("| prompts | SDPA | AMX kernel | kernel / SDPA |\n|---|---|---|---|")
+    print("| prompts | without the kernel | with it | with / without |\n|---|---|---|---|")
     order = ("ABBA" * rounds)[: 2 * rounds]
     try:
         for p, n in prompts:
             got: dict[str, list[float]] = {"A": [], "B": []}
             for side in "AB":  # warm-up
-                head_major.AMX_PREFILL = side == "B"
+                head_major.KERNEL_PREFILL = side == "B"
                 run(p, n, 0)
             for r, side in enumerate(order):
-                head_major.AMX_PREFILL = side == "B"
+                head_major.KERNEL_PREFILL = side == "B"
                 got[side].append(run(p, n, r + 1))
             a, b = statistics.median(got["A"]), statistics.median(got["B"])
             print(f"| {n} x {p} | {a:.0f} | {b:.0f} | {b / a:.3f}x |", flush=True)
     finally:
-        head_major.AMX_PREFILL = native.cpu_has("amx_bf16")
+        head_major.KERNEL_PREFILL = runs_here()
 
 
 def main() -> None:
@@ -103,8 +117,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--chunk", type=int, help="prefill at most this many tokens a step (max_num_batched_tokens)")
     args = ap.parse_args()
-    if not native.cpu_has("amx_bf16"):
-        raise SystemExit("this CPU has no AMX tiles (amx_bf16): the kernel never runs here")
+    if not runs_here():
+        raise SystemExit("the backend runs no prefill attention kernel on this CPU (prefill_attention_kernel.runs_here)")
     print(f"{native.cpu_vendor()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     if args.calls:
         calls()

@@ -1,7 +1,9 @@
-"""The AMX prefill attention kernel (prefill_attention.c) against float32 SDPA, and the backend's use of it.
+"""The prefill attention kernel (prefill_attention.c) against float32 SDPA, on AMX tiles and in float32 FMAs, and
+the backend's use of it.
 
-Where the CPU has no AMX tiles the kernel is never called (the head-major backend checks amx_bf16 first) and these
-tests skip; the routing test still checks that such a CPU's chunks take SDPA."""
+Each test runs once per way the kernel computes: on AMX tiles (skipped where the CPU has none) and in AVX-512
+float32 FMAs (skipped where the build has no AVX512-BF16), whichever CPU the backend would send chunks to it on;
+the routing test checks which chunks take it here."""
 
 from __future__ import annotations
 
@@ -14,17 +16,23 @@ from llmopt.layers.attention import head_major
 from llmopt.layers.attention.prefill_attention_kernel import PrefillAttentionKernel, load
 
 AMX = native.cpu_has("amx_bf16")
-needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles (amx_bf16): the kernel never runs here")
 
 
-@pytest.fixture(scope="module")
-def kernel() -> PrefillAttentionKernel:
-    k = load()
-    if k is None:
+@pytest.fixture(scope="module", params=["amx", "float32"])
+def kernel(request) -> PrefillAttentionKernel:
+    """A kernel of its own (not the backend's shared one) computing one way."""
+    loaded = load()
+    if loaded is None:
         pytest.skip("no C compiler here")
+    if request.param == "amx" and not AMX:
+        pytest.skip("this CPU has no AMX tiles (amx_bf16)")
+    k = PrefillAttentionKernel(loaded.path)
+    k.amx = request.param == "amx"
     x = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
     if k(x, x, x, 1.0) is None:
-        pytest.skip("this OS lends no AMX tile state to the process (the backend then keeps SDPA)")
+        pytest.skip("this build has no AVX512-BF16 for the float32 kernel")
+    if request.param == "amx" and not k.amx:
+        pytest.skip("this OS lends no AMX tile state to the process (the float32 kernel then runs)")
     return k
 
 
@@ -49,7 +57,6 @@ def _sdpa(q, k, v, scale: float, window: int, dtype: torch.dtype) -> torch.Tenso
     return o[0].transpose(0, 1).reshape(n, -1).float()
 
 
-@needs_amx
 @pytest.mark.parametrize(("length", "h", "hkv", "d", "window"), [
     (1, 9, 3, 64, 0), (2, 9, 3, 64, 0), (31, 9, 3, 64, 0), (32, 9, 3, 64, 0), (33, 9, 3, 64, 0), (129, 9, 3, 64, 0),
     (257, 9, 3, 64, 0), (600, 3, 3, 64, 0), (600, 3, 1, 64, 200),
@@ -65,7 +72,6 @@ def test_the_kernel_agrees_with_sdpa_as_closely_as_bf16_sdpa_does(kernel, length
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
-@needs_amx
 @pytest.mark.parametrize(("length", "context", "window"), [(1, 40, 0), (17, 100, 0), (64, 64 + 300, 0),
                                                            (50, 333, 64), (130, 700, 200)])
 def test_a_chunk_over_a_cached_context(kernel, length, context, window):
@@ -82,7 +88,6 @@ def test_a_chunk_over_a_cached_context(kernel, length, context, window):
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
-@needs_amx
 def test_peaked_scores_stay_finite_and_close(kernel):
     """Scores in the hundreds (softmax nearly one-hot, exponents far below float32's range for most keys)."""
     q, k, v = _qkv(150, 4, 2, 64, seed=3)
@@ -93,7 +98,6 @@ def test_peaked_scores_stay_finite_and_close(kernel):
     assert (out.float() - exact).abs().max().item() <= 1.5 * (_sdpa(q, k, v, 0.125, 0, torch.bfloat16) - exact).abs().max().item() + 1e-2
 
 
-@needs_amx
 def test_contiguous_and_strided_inputs_give_the_same_bits(kernel):
     q, k, v = _qkv(70, 9, 3, 64, seed=1)
     a = kernel(q, k, v, 0.125)
@@ -101,7 +105,6 @@ def test_contiguous_and_strided_inputs_give_the_same_bits(kernel):
     assert torch.equal(a, b)
 
 
-@needs_amx
 def test_a_head_size_it_does_not_take_is_an_error_not_a_wrong_answer(kernel):
     q, k, v = _qkv(8, 2, 1, 48)
     assert not PrefillAttentionKernel.supports(q, k, 2, 1)
@@ -111,10 +114,11 @@ def test_a_head_size_it_does_not_take_is_an_error_not_a_wrong_answer(kernel):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("window", [None, 24])
-def test_the_backend_runs_prefill_chunks_on_the_kernel_only_with_amx(monkeypatch, window, kv_cache_dtype):
+def test_the_backend_runs_prefill_chunks_on_the_kernel_where_it_runs(monkeypatch, window, kv_cache_dtype):
     """Two sequences' first chunks in one step, then their second chunks over the cached context: the kernel's
-    outputs on an AMX CPU (over a bf16 pool or the int8 one dequantized), SDPA's elsewhere and under
-    enforce_eager; each close to float32 SDPA over the whole sequence and to enforce_eager's."""
+    outputs on an AMX CPU or an Intel core with AVX512-BF16 (over a bf16 pool or the int8 one dequantized), the
+    backend's own path elsewhere and under enforce_eager; each close to float32 SDPA over the whole sequence and
+    to enforce_eager's."""
     from llmopt.layers.attention import PagedAttention, get_backend
 
     calls = []
@@ -139,7 +143,7 @@ def test_the_backend_runs_prefill_chunks_on_the_kernel_only_with_amx(monkeypatch
             meta = backend.build_metadata(cache, [([t], a, b) for t, a, b in zip(tables, lo, hi, strict=True)], [])
             q, k, v = (torch.cat([s[j][a:b] for s, a, b in zip(seqs, lo, hi, strict=True)]) for j in range(3))
             got.append(attn(q, k, v, cache, meta).split([b - a for a, b in zip(lo, hi, strict=True)]))
-        assert len(calls) == (4 if AMX and not eager else 0)
+        assert len(calls) == (4 if head_major.KERNEL_PREFILL and not eager else 0)
         results[eager] = [torch.cat([got[0][i], got[1][i]]).float() for i in range(len(seqs))]
     for i, (sq, sk, sv) in enumerate(seqs):
         exact = _sdpa(sq, sk, sv, d ** -0.5, window or 0, torch.float32)
@@ -147,3 +151,5 @@ def test_the_backend_runs_prefill_chunks_on_the_kernel_only_with_amx(monkeypatch
         assert (results[True][i] - exact).abs().max().item() < (0.05 if kv_cache_dtype == "auto" else 0.25)
         assert (results[False][i] - results[True][i]).abs().max().item() < 0.05
     assert head_major.AMX_PREFILL == AMX
+    intel_bf16 = native.cpu_has("avx512_bf16") and native.cpu_vendor() == "GenuineIntel"
+    assert head_major.KERNEL_PREFILL == (AMX or intel_bf16)

@@ -23,6 +23,7 @@ from llmopt.layers.attention.paged_decode_kernel import load as load_decode_kern
 from llmopt.layers.attention.paged_kv_cache import PagedKVCache
 from llmopt.layers.attention.prefill_attention_kernel import PrefillAttentionKernel
 from llmopt.layers.attention.prefill_attention_kernel import load as load_prefill_kernel
+from llmopt.layers.attention.prefill_attention_kernel import runs_here as prefill_kernel_runs_here
 from llmopt.layers.kernels import Ops
 
 NO_WINDOW = 1 << 40  # a full layer's window for the compiled prefill function (no position is that far back)
@@ -33,8 +34,10 @@ MIN_DECODE_GROUP = 8  # sequences; smaller groups are merged into the previous (
 # only), where prefill attention runs in float32 and SDPA was 1.8-4.4x faster (64 to 2,048 tokens, Zen 3).
 COMPILED_ATTENTION_MAX_SCORES = 2048 * 4096
 # prefill chunks run prefill_attention.c on AMX tiles (1.1-2.7x torch's flash SDPA, docs/BENCHMARKS.md "Prefill
-# attention on AMX tiles"), over their own K/V or a cached context gathered (and dequantized) from the pool
+# attention on AMX tiles"), or in its float32 FMAs on Intel cores without AMX ("Prefill attention in float32 FMAs"),
+# over their own K/V or a cached context gathered (and dequantized) from the pool
 AMX_PREFILL = native.cpu_has("amx_bf16")
+KERNEL_PREFILL = prefill_kernel_runs_here()
 
 
 def prefill_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -88,9 +91,9 @@ class HeadMajorBackend(AttentionBackend):
         return self._kernel
 
     def prefill_kernel(self, q: torch.Tensor, k: torch.Tensor, layer: PagedAttention) -> PrefillAttentionKernel | None:
-        """The AMX prefill attention kernel when it takes this layer's chunk: a CPU with amx_bf16, bf16, not
-        `enforce_eager` (which keeps SDPA)."""
-        if (not self.allow_compiled or not AMX_PREFILL
+        """The prefill attention kernel when it takes this layer's chunk: a CPU it runs on (`KERNEL_PREFILL`),
+        bf16, not `enforce_eager` (which keeps SDPA)."""
+        if (not self.allow_compiled or not KERNEL_PREFILL
                 or not PrefillAttentionKernel.supports(q, k, layer.num_heads, layer.num_kv_heads)):
             return None
         if self._prefill_kernel is False:

@@ -14,6 +14,12 @@
 // Work items are (query head, query block), the costly late blocks first; threads take them dynamically. Query head
 // h reads KV head h / (H / Hkv) (grouped-query attention). `window` > 0: the query at position p sees keys
 // p - window + 1 .. p.
+//
+// prefill_attention_fma: the same flash attention in AVX-512 float32 FMAs, for CPUs with AVX512-BF16 and no AMX
+// tiles, where the chunks ran a torch.compile'd function (docs/BENCHMARKS.md, "Prefill attention in float32
+// FMAs"). K and V are widened to float32 once per call (K as kt[block][d][32 keys], V as [key][D]); blocks of 12
+// queries take their scores 32 keys at a time in 12 x 2 accumulators, P stays float32 (no bf16 rounding before
+// P V), and O accumulates 6 rows x 64 dimensions at a time in registers.
 #define _GNU_SOURCE  // syscall() in native_amx.h
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,10 +28,8 @@
 #include "native_amx.h"
 #include "native_bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__)
-#define BLOCK 32      // queries per query block; keys per packed block and per A tile of P
-#define KEYS 128      // keys per softmax step (up to four packed blocks): one rescale and one pass over O for each
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_PREFILL 1
 #define MAX_DIM 256   // head sizes the per-thread buffers are sized for
 #define NEG (-1e30f)  // "minus infinity" that -ffast-math may not assume away; masked lanes are zeroed, not exp'd
 
@@ -44,6 +48,22 @@ static inline __m512 exp2_f32x16(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+
+// Key k0 + 16 j + lane is seen by query t where it is <= t and, with a window, > t - window.
+static inline __mmask16 seen(int64_t k0, int j, int64_t t, int64_t window) {
+    const __m512i n = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                       _mm512_set1_epi32((int)(k0 + 16 * j)));
+    __mmask16 ok = _mm512_cmple_epi32_mask(n, _mm512_set1_epi32((int)t));
+    if (window > 0) ok &= _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32((int)(t - window)));
+    return ok;
+}
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define BLOCK 32      // queries per query block; keys per packed block and per A tile of P
+#define KEYS 128      // keys per softmax step (up to four packed blocks): one rescale and one pass over O for each
 
 // Every tile 16 rows x 64 bytes: C 16 x 16 float32, A 16 x 32 bf16, B 16 pair rows x 16 columns.
 static void configure(void) {
@@ -71,15 +91,6 @@ typedef struct {
     uint16_t q[BLOCK * MAX_DIM], p[BLOCK * KEYS];
     float s[BLOCK * KEYS], o[BLOCK * MAX_DIM], l[BLOCK * 16], m[BLOCK] __attribute__((aligned(64)));
 } scratch_t;
-
-// Key k0 + 16 j + lane is seen by query t where it is <= t and, with a window, > t - window.
-static inline __mmask16 seen(int64_t k0, int j, int64_t t, int64_t window) {
-    const __m512i n = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                       _mm512_set1_epi32((int)(k0 + 16 * j)));
-    __mmask16 ok = _mm512_cmple_epi32_mask(n, _mm512_set1_epi32((int)t));
-    if (window > 0) ok &= _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32((int)(t - window)));
-    return ok;
-}
 
 // The online-softmax step of rows 0..rows-1 over `vecs` x 16 raw scores each in w->s (log2 units after x c): P as
 // bf16 into w->p, each row's maximum and sum, O rescaled. In passes over the rows (every row's maximum; the
@@ -194,6 +205,138 @@ static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32
 }
 #endif
 
+#ifdef HAVE_AVX512_PREFILL
+#define FQ 12       // queries per block of the FMA kernel: its scores take 12 x 2 accumulators
+#define FKEYS 128   // keys per softmax step (up to four blocks of 32)
+#define OROWS 6     // rows of O per pass of P V: 6 x 4 accumulators over 64 dimensions
+
+typedef struct {
+    float q[FQ * MAX_DIM], s[FQ * FKEYS], o[FQ * MAX_DIM], l[FQ * 16] __attribute__((aligned(64)));
+    float m[16] __attribute__((aligned(64)));
+} fscratch_t;
+
+// One KV head's keys of block b (32 keys) as float32 kt[d][32], and its values as float32 rows [32][D] (zeros past
+// the C keys).
+static void fpack(const uint16_t *k, int64_t ks, const uint16_t *v, int64_t vs, int64_t C, int64_t D, int64_t b,
+                  float *kt, float *vt) {
+    for (int64_t n = 0; n < 32; n++) {
+        const int64_t t = b * 32 + n;
+        for (int64_t d = 0; d < D; d++) {
+            kt[d * 32 + n] = t < C ? bf16_to_f(k[t * ks + d]) : 0.f;
+            vt[n * D + d] = t < C ? bf16_to_f(v[t * vs + d]) : 0.f;
+        }
+    }
+}
+
+// S[:, 0..32) (row stride FKEYS) = Q K^T of the block's FQ rows against one block of 32 keys.
+static inline void fscores(const float *q, int64_t D, const float *kt, float *s) {
+    __m512 acc[FQ][2];
+    for (int r = 0; r < FQ; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k0 = _mm512_loadu_ps(kt + d * 32), k1 = _mm512_loadu_ps(kt + d * 32 + 16);
+        for (int r = 0; r < FQ; r++) {
+            const __m512 x = _mm512_set1_ps(q[r * D + d]);
+            acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < FQ; r++) {
+        _mm512_storeu_ps(s + r * FKEYS, acc[r][0]);
+        _mm512_storeu_ps(s + r * FKEYS + 16, acc[r][1]);
+    }
+}
+
+// The online-softmax step (as the AMX kernel's, with P kept float32 in place of the scores): each row's new
+// maximum, O and the sums rescaled by 2^(m_old - m_new), then P = 2^(S c - m_new), masked where `whole` is 0.
+static inline __attribute__((always_inline)) void fsoftmax_step(fscratch_t *w, int64_t rows, int64_t D, int vecs,
+                                                                const int whole, int64_t pos, int64_t window,
+                                                                int64_t k0, float c) {
+    const __m512 neg = _mm512_set1_ps(NEG);
+    float m_new[16] __attribute__((aligned(64))), alpha[16] __attribute__((aligned(64)));
+    memcpy(m_new, w->m, sizeof m_new);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *sr = w->s + r * FKEYS;
+        __m512 mx = neg;
+        for (int j = 0; j < vecs; j++)
+            mx = _mm512_max_ps(mx, whole ? _mm512_loadu_ps(sr + 16 * j)
+                                         : _mm512_mask_loadu_ps(neg, seen(k0, j, pos + r, window), sr + 16 * j));
+        const float m_blk = _mm512_reduce_max_ps(mx) * c;
+        m_new[r] = m_blk > w->m[r] ? m_blk : w->m[r];
+    }
+    const __m512 mo = _mm512_load_ps(w->m), mn = _mm512_load_ps(m_new);
+    _mm512_store_ps(alpha, exp2_f32x16(_mm512_max_ps(_mm512_sub_ps(mo, mn), _mm512_set1_ps(-200.f))));
+    _mm512_store_ps(w->m, mn);
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(w->o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + d), a));
+        float *sr = w->s + r * FKEYS;
+        const __m512 mneg = _mm512_set1_ps(-m_new[r]);
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(w->l + 16 * r), a);
+        for (int j = 0; j < vecs; j++) {
+            __m512 e = exp2_f32x16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * j), cv, mneg));
+            if (!whole) e = _mm512_maskz_mov_ps(seen(k0, j, pos + r, window), e);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(sr + 16 * j, e);
+        }
+        _mm512_storeu_ps(w->l + 16 * r, sum);
+    }
+}
+
+// O[r0 .. r0 + OROWS, d0 .. d0 + 16 nv) += P V over n keys (P in w->s, V rows from vt).
+static inline __attribute__((always_inline)) void fpv(fscratch_t *w, int r0, int64_t d0, const int nv, int64_t n,
+                                                      const float *vt, int64_t D) {
+    __m512 acc[OROWS][4];
+    for (int r = 0; r < OROWS; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_loadu_ps(w->o + (r0 + r) * D + d0 + 16 * v);
+    for (int64_t j = 0; j < n; j++) {
+        __m512 vv[4];
+        for (int v = 0; v < nv; v++) vv[v] = _mm512_loadu_ps(vt + j * D + d0 + 16 * v);
+        for (int r = 0; r < OROWS; r++) {
+            const __m512 p = _mm512_set1_ps(w->s[(r0 + r) * FKEYS + j]);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < OROWS; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(w->o + (r0 + r) * D + d0 + 16 * v, acc[r][v]);
+}
+
+// Query block qb of one head (FQ rows) against its keys; as the AMX kernel's item().
+static void fitem(const uint16_t *q, int64_t qs, const float *kt, const float *vt, int64_t L, int64_t offset,
+                  int64_t D, int64_t qb, int64_t window, float scale, uint16_t *out, int64_t os, fscratch_t *w) {
+    const int64_t t0 = qb * FQ, rows = L - t0 < FQ ? L - t0 : FQ;
+    const int64_t p0 = offset + t0, last = p0 + rows - 1;
+    for (int64_t r = 0; r < FQ; r++)
+        for (int64_t d = 0; d < D; d++) w->q[r * D + d] = r < rows ? bf16_to_f(q[(t0 + r) * qs + d]) : 0.f;
+    for (int r = 0; r < 16; r++) w->m[r] = NEG;
+    memset(w->o, 0, sizeof(float) * FQ * D);
+    memset(w->l, 0, sizeof w->l);
+    const float c = scale * 1.44269504088896341f;  // scores in log2 units
+    const int64_t start = window > 0 && p0 - window + 1 > 0 ? (p0 - window + 1) / 32 * 32 : 0;
+    for (int64_t k0 = start; k0 <= last; k0 += FKEYS) {
+        const int64_t kend = k0 + FKEYS < last + 1 ? k0 + FKEYS : last + 1;
+        const int subs = (int)((kend - k0 + 31) / 32), vecs = 2 * subs;
+        const int whole = k0 + 32 * subs - 1 <= p0 && (window <= 0 || k0 > last - window);
+        for (int b = 0; b < subs; b++) fscores(w->q, D, kt + (k0 / 32 + b) * D * 32, w->s + b * 32);
+        if (whole) fsoftmax_step(w, rows, D, vecs, 1, p0, 0, k0, c);
+        else fsoftmax_step(w, rows, D, vecs, 0, p0, window, k0, c);
+        const float *vk = vt + k0 * D;
+        for (int r0 = 0; r0 < rows; r0 += OROWS)
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                if (D - d0 >= 64) fpv(w, r0, d0, 4, 32 * subs, vk, D);
+                else fpv(w, r0, d0, 2, 32 * subs, vk, D);  // D is a multiple of 32
+            }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(w->l + 16 * r)));
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(out + (t0 + r) * os + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + d), inv)));
+    }
+}
+#endif
+
 // q [L, H, D] at row stride qs (elements; heads contiguous) at positions C - L .. C - 1; k and v [C, Hkv, D] at
 // positions 0 .. C - 1, row strides ks and vs, head strides khs and vhs (a chunk's own K/V: rows of the fused
 // projection; a cached context: the gathered [Hkv, C, D] blocks); out [L, H * D]. Returns 0; 1 where the CPU,
@@ -230,6 +373,46 @@ int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t 
             item(q + h * D, qs, kp + g * pairs, vp + g * pairs, L, C - L, D, qb, window, scale, out + h * D, H * D, w);
         }
         if (w) _tile_release();
+        free(w);
+    }
+    free(packed);
+    return failed ? 2 : 0;
+#else
+    (void)q; (void)qs; (void)k; (void)ks; (void)khs; (void)v; (void)vs; (void)vhs; (void)L; (void)C; (void)H;
+    (void)Hkv; (void)D; (void)window; (void)scale; (void)out; (void)nthreads;
+    return 1;
+#endif
+}
+
+// prefill_attention's contract in AVX-512 float32 FMAs (no AMX tiles): returns 0; 1 where this build has no
+// AVX512-BF16; 2 when out of memory; 3 for a shape it does not take (as prefill_attention).
+int prefill_attention_fma(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t ks, int64_t khs,
+                          const uint16_t *v, int64_t vs, int64_t vhs, int64_t L, int64_t C, int64_t H, int64_t Hkv,
+                          int64_t D, int64_t window, float scale, uint16_t *out, int nthreads) {
+#ifdef HAVE_AVX512_PREFILL
+    if (D % 32 || D > MAX_DIM || Hkv <= 0 || H % Hkv || L > C) return 3;
+    if (L <= 0) return 0;
+    const int64_t blocks = (L + FQ - 1) / FQ, kblocks = (C + 31) / 32, per_head = kblocks * 32 * D;
+    float *packed = malloc(sizeof(float) * (size_t)(2 * Hkv * per_head));
+    if (!packed) return 2;
+    float *kt = packed, *vt = packed + Hkv * per_head;
+    #pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < Hkv; g++)
+        for (int64_t b = 0; b < kblocks; b++)
+            fpack(k + g * khs, ks, v + g * vhs, vs, C, D, b, kt + g * per_head + b * 32 * D,
+                  vt + g * per_head + b * 32 * D);
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        fscratch_t *w = aligned_alloc(64, (sizeof(fscratch_t) + 63) / 64 * 64);
+        failed = !w;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < H * blocks; i++) {
+            if (!w) continue;
+            const int64_t qb = blocks - 1 - i / H, h = i % H, g = h / (H / Hkv);  // the longest items first
+            fitem(q + h * D, qs, kt + g * per_head, vt + g * per_head, L, C - L, D, qb, window, scale, out + h * D,
+                  H * D, w);
+        }
         free(w);
     }
     free(packed);

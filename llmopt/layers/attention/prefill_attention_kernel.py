@@ -1,7 +1,9 @@
-"""Causal prefill attention on AMX tiles (`prefill_attention.c`), built by `llmopt.native` and called through
-ctypes: for prefill chunks on a CPU with amx_bf16, where it replaces torch's flash SDPA (docs/BENCHMARKS.md,
-"Prefill attention on AMX tiles"). `load()` returns None where it cannot be built, and the
-call returns None where this CPU, compiler or OS lends no AMX: the caller then runs SDPA."""
+"""Causal prefill attention (`prefill_attention.c`), built by `llmopt.native` and called through ctypes: on AMX
+tiles for prefill chunks on a CPU with amx_bf16, where it replaces torch's flash SDPA (docs/BENCHMARKS.md,
+"Prefill attention on AMX tiles"), and in AVX-512 float32 FMAs on Intel cores with AVX512-BF16 and no AMX, where
+it replaces a torch.compile'd function ("Prefill attention in float32 FMAs"). `load()` returns None where it
+cannot be built, and the call returns None where this CPU, compiler or OS lends neither: the caller then runs
+its own path."""
 
 from __future__ import annotations
 
@@ -13,6 +15,17 @@ import torch
 import llmopt.native as native
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
+# Off AMX the float32 kernel runs where it was measured to win: Intel cores with AVX512-BF16 (what it is built
+# for; on the Intel Xeon VM without AMX 3.3-7.5x the compiled function the backend ran there and 1.3-2.9x SDPA per
+# call, prompts prefilled 1.16-2.92x faster on SmolLM2). AMD's Zen 4 keeps the compiled function (not measured
+# there), as it keeps vdpbf16ps where bf16_linear.c's passes use FMAs on Intel (packed_linear.FMA_VENDORS).
+FMA_VENDORS = ("GenuineIntel",)
+
+
+def runs_here() -> bool:
+    """Whether the backend sends this CPU's bf16 prefill chunks to the kernel: AMX tiles, or the float32 kernel
+    on an Intel core with AVX512-BF16."""
+    return native.cpu_has("amx_bf16") or (native.cpu_has("avx512_bf16") and native.cpu_vendor() in FMA_VENDORS)
 
 
 class PrefillAttentionKernel:
@@ -25,8 +38,11 @@ class PrefillAttentionKernel:
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
                        ctypes.c_int]
         fn.restype = ctypes.c_int
-        self._fn, self._lib, self.path = fn, lib, path
-        self.available = True  # False once the library says this machine lends no AMX
+        fma = lib.prefill_attention_fma
+        fma.argtypes, fma.restype = fn.argtypes, ctypes.c_int
+        self._fn, self._fma, self._lib, self.path = fn, fma, lib, path
+        self.amx = native.cpu_has("amx_bf16")  # tiles where the CPU lists them (False once the OS lends none)
+        self.available = True  # False once the library says this machine runs neither
 
     @staticmethod
     def supports(q: torch.Tensor, k: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
@@ -40,7 +56,7 @@ class PrefillAttentionKernel:
         """q [L, H, D] at positions C-L..C-1 (bf16; each row's heads contiguous, or copied so); k and v [C, Hkv, D]
         at positions 0..C-1 (any row and head strides, each vector contiguous: a chunk's own K/V, or a cached
         context gathered as [Hkv, C, D] and transposed); `window` > 0: a sliding window of that many positions.
-        Returns [L, H*D], or None where AMX is not lent here."""
+        Returns [L, H*D], or None where neither AMX tiles nor the float32 kernel's AVX-512 run here."""
         if not self.available:
             return None
         length, h, d = q.shape
@@ -48,9 +64,13 @@ class PrefillAttentionKernel:
             q = q.contiguous()
         k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (k, v))
         out = torch.empty(length, h * d, dtype=q.dtype)
-        rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                      v.stride(1), length, k.shape[0], h, k.shape[1], d, window, scale, out.data_ptr(),
-                      torch.get_num_threads())
+        args = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                v.stride(1), length, k.shape[0], h, k.shape[1], d, window, scale, out.data_ptr(),
+                torch.get_num_threads())
+        rc = self._fn(*args) if self.amx else 1
+        if rc == 1:  # no AMX here (or none lent by the OS): the float32 kernel
+            self.amx = False
+            rc = self._fma(*args)
         if rc == 1:
             self.available = False
             return None
