@@ -9,8 +9,9 @@ as the engine hands them over), best of 5 x 5 calls each, for SmolLM2's, Gemma 3
 layouts: SDPA, the compiled function where the backend would run it at that size, and the kernel. In the engine
 (`--engine MODEL`): greedy prefill of random prompts (N x P tokens, 1 output token, no prefix cache; `--chunk N`:
 prompts prefilled N tokens a step, each chunk after the first over the cached context), the kernel and the
-backend's path without it switched in one process, rounds alternating ABBA, medians. Needs a CPU the kernel runs
-on (`prefill_attention_kernel.runs_here`); elsewhere this says so.
+backend's path without it switched in one process, rounds alternating ABBA, medians. `--calls` runs wherever the
+kernel builds (AMX tiles or AVX512-BF16), so it can tell whether a CPU the backend does not send chunks to the
+kernel yet (AMD's Zen 4) should; `--engine` needs one it does (`prefill_attention_kernel.runs_here`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def calls() -> None:
     from llmopt.layers.kernels import Ops, call
 
     kernel = load()
-    assert kernel is not None
+    probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    if kernel is None or kernel(probe, probe, probe, 1.0) is None:
+        raise SystemExit("the prefill attention kernel does not run here (no C compiler, or neither AMX tiles nor "
+                         "AVX512-BF16)")
     kind = "AMX" if kernel.amx else "float32"
     print(f"| heads (q / kv) x dim | tokens | SDPA ms | compiled ms | {kind} kernel ms | the faster of the two / kernel |"
           "\n|---|---|---|---|---|---|")
@@ -117,11 +121,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--chunk", type=int, help="prefill at most this many tokens a step (max_num_batched_tokens)")
     args = ap.parse_args()
-    if not runs_here():
-        raise SystemExit("the backend runs no prefill attention kernel on this CPU (prefill_attention_kernel.runs_here)")
     print(f"{native.cpu_vendor()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     if args.calls:
         calls()
+    if args.engine and not runs_here():
+        raise SystemExit("the backend sends no prefill chunk to the kernel on this CPU (prefill_attention_kernel."
+                         "runs_here): --calls measures whether it should")
     prompts = [tuple(int(x) for x in item.split("x")) for item in args.prompts.split(",")]
     for model in args.engine:
         engine(model, prompts, args.rounds, args.chunk)  # type: ignore[arg-type]
