@@ -426,12 +426,14 @@ static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int sto
         }
         return;
     }
-    // Past that, a vector at a time in passes of up to MT_F32 rows; bf16 two vectors at a time in passes of up to 6
-    // (14 loads to 24 FMAs where one vector and 12 rows take 26, each x broadcast by its FMA: 1.19-1.24x at 32-512
-    // rows), the odd vector out alone; passes of even size
+    // Past that, a vector at a time in passes of up to MT_F32 rows; bf16 two vectors at a time, in passes of up to
+    // MT_F32 rows too: two loads and 24 broadcasts to 48 FMAs, where one vector and 12 rows take 26 loads to 24 FMAs
+    // (1.19-1.24x at 32-512 rows for two vectors of 6 rows), and the 4 shifts and masks of a pair row's vectors
+    // serve 12 rows where they served 6 (1.04-1.25x at 8-512 rows, the same bits; docs/BENCHMARKS.md "bf16 passes
+    // of 12 rows"); the odd vector out alone; passes of even size
     for (int v = 0, n; v < nv; v += n) {
         n = storage == W_BF16 && nv - v >= 2 ? 2 : 1;
-        const int most = n == 2 ? 6 : MT_F32, count = (mt + most - 1) / most, step = (mt + count - 1) / count;
+        const int most = MT_F32, count = (mt + most - 1) / most, step = (mt + count - 1) / count;
         const char *wv = (const char *)wp + v * block_bytes(storage);
         const uint16_t *sv = scale ? scale + v * 16 : NULL, *bv = bias ? bias + v * 16 : NULL;
         const int64_t vv = valid - v * 16;
@@ -440,7 +442,8 @@ static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int sto
             uint16_t *ym = y + m0 * N + v * 16;
             switch ((mt - m0 < step ? mt - m0 : step) * 4 + n) {
                 RCASE(1) RCASE(2) RCASE(3) RCASE(4) RCASE(5) RCASE(6) RCASE(7) RCASE(8) RCASE(9) RCASE(10)
-                RCASE(11) RCASE(12) PCASE(1) PCASE(2) PCASE(3) PCASE(4) PCASE(5) PCASE(6)
+                RCASE(11) RCASE(12) PCASE(1) PCASE(2) PCASE(3) PCASE(4) PCASE(5) PCASE(6) PCASE(7) PCASE(8)
+                PCASE(9) PCASE(10) PCASE(11) PCASE(12)
                 default: break;
             }
         }
