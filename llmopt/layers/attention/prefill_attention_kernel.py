@@ -16,7 +16,7 @@ import llmopt.native as native
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
 # Off AMX the float32 kernel runs where it was measured to win: Intel cores with AVX512-BF16 (what it is built
-# for; on the Intel Xeon VM without AMX 3.3-7.5x the compiled function the backend ran there and 1.3-2.9x SDPA per
+# for; on the Intel Xeon VM without AMX 3.0-8.9x the compiled function the backend ran there and 1.3-2.9x SDPA per
 # call, prompts prefilled 1.16-2.92x faster on SmolLM2). AMD's Zen 4 keeps the compiled function (not measured
 # there), as it keeps vdpbf16ps where bf16_linear.c's passes use FMAs on Intel (packed_linear.FMA_VENDORS).
 FMA_VENDORS = ("GenuineIntel",)
