@@ -58,6 +58,27 @@ static inline __mmask16 seen(int64_t k0, int j, int64_t t, int64_t window) {
     return ok;
 }
 
+// The largest of a row's `vecs` x 16 raw scores that query t sees (all of them where `whole`; NEG if none).
+static inline __attribute__((always_inline)) float row_max(const float *sr, int vecs, const int whole, int64_t k0,
+                                                           int64_t t, int64_t window) {
+    const __m512 neg = _mm512_set1_ps(NEG);
+    __m512 mx = neg;
+    for (int j = 0; j < vecs; j++)
+        mx = _mm512_max_ps(mx, whole ? _mm512_loadu_ps(sr + 16 * j)
+                                     : _mm512_mask_loadu_ps(neg, seen(k0, j, t, window), sr + 16 * j));
+    return _mm512_reduce_max_ps(mx);
+}
+
+// Rows 0..rows-1 of O (float32, D a row) divided by their sums (16 partial sums a row in l), as bf16 rows of out.
+static inline void store_rows(const float *o, const float *l, int64_t rows, int64_t D, uint16_t *out, int64_t os) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * r)));
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(out + r * os + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
+    }
+}
+
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
@@ -100,16 +121,10 @@ typedef struct {
 static inline __attribute__((always_inline)) void softmax_step(scratch_t *w, int64_t rows, int64_t D, int vecs,
                                                                const int whole, int64_t pos, int64_t window,
                                                                int64_t k0, float c) {
-    const __m512 neg = _mm512_set1_ps(NEG);
     float m_new[BLOCK] __attribute__((aligned(64))), alpha[BLOCK] __attribute__((aligned(64)));
     memcpy(m_new, w->m, sizeof m_new);  // rows past the chunk's end keep theirs
     for (int64_t r = 0; r < rows; r++) {
-        const float *sr = w->s + r * KEYS;
-        __m512 mx = neg;
-        for (int j = 0; j < vecs; j++)
-            mx = _mm512_max_ps(mx, whole ? _mm512_loadu_ps(sr + 16 * j)
-                                         : _mm512_mask_loadu_ps(neg, seen(k0, j, pos + r, window), sr + 16 * j));
-        const float m_blk = _mm512_reduce_max_ps(mx) * c;
+        const float m_blk = row_max(w->s + r * KEYS, vecs, whole, k0, pos + r, window) * c;
         m_new[r] = m_blk > w->m[r] ? m_blk : w->m[r];
     }
     // each row's rescale 2^(m_old - m_new), 16 rows at a time (a first step's is 2^(NEG - m), 0, against sums
@@ -196,12 +211,7 @@ static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32
             _tile_stored(2, o + 16 * D, D * 4); _tile_stored(3, o + 16 * D + 16, D * 4);
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(w->l + 16 * r)));
-        for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(out + (t0 + r) * os + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + d), inv)));
-    }
+    store_rows(w->o, w->l, rows, D, out + t0 * os, os);
 }
 #endif
 
@@ -251,16 +261,10 @@ static inline void fscores(const float *q, int64_t D, const float *kt, float *s)
 static inline __attribute__((always_inline)) void fsoftmax_step(fscratch_t *w, int64_t rows, int64_t D, int vecs,
                                                                 const int whole, int64_t pos, int64_t window,
                                                                 int64_t k0, float c) {
-    const __m512 neg = _mm512_set1_ps(NEG);
     float m_new[16] __attribute__((aligned(64))), alpha[16] __attribute__((aligned(64)));
     memcpy(m_new, w->m, sizeof m_new);
     for (int64_t r = 0; r < rows; r++) {
-        const float *sr = w->s + r * FKEYS;
-        __m512 mx = neg;
-        for (int j = 0; j < vecs; j++)
-            mx = _mm512_max_ps(mx, whole ? _mm512_loadu_ps(sr + 16 * j)
-                                         : _mm512_mask_loadu_ps(neg, seen(k0, j, pos + r, window), sr + 16 * j));
-        const float m_blk = _mm512_reduce_max_ps(mx) * c;
+        const float m_blk = row_max(w->s + r * FKEYS, vecs, whole, k0, pos + r, window) * c;
         m_new[r] = m_blk > w->m[r] ? m_blk : w->m[r];
     }
     const __m512 mo = _mm512_load_ps(w->m), mn = _mm512_load_ps(m_new);
@@ -328,12 +332,18 @@ static void fitem(const uint16_t *q, int64_t qs, const float *kt, const float *v
                 else fpv(w, r0, d0, 2, 32 * subs, vk, D);  // D is a multiple of 32
             }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(w->l + 16 * r)));
-        for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(out + (t0 + r) * os + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + d), inv)));
-    }
+    store_rows(w->o, w->l, rows, D, out + t0 * os, os);
+}
+#endif
+
+// Both entry points' arguments, named where a build has neither kernel.
+#define UNUSED_ARGS (void)q, (void)qs, (void)k, (void)ks, (void)khs, (void)v, (void)vs, (void)vhs, (void)L, (void)C, \
+    (void)H, (void)Hkv, (void)D, (void)window, (void)scale, (void)out, (void)nthreads
+
+#ifdef HAVE_AVX512_PREFILL
+// A head size that is not a multiple of 32 up to MAX_DIM, H not a multiple of Hkv, or L past C.
+static int bad_shape(int64_t L, int64_t C, int64_t H, int64_t Hkv, int64_t D) {
+    return D % 32 || D > MAX_DIM || Hkv <= 0 || H % Hkv || L > C;
 }
 #endif
 
@@ -347,7 +357,7 @@ int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t 
                       int64_t window, float scale, uint16_t *out, int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__)
-    if (D % 32 || D > MAX_DIM || Hkv <= 0 || H % Hkv || L > C) return 3;
+    if (bad_shape(L, C, H, Hkv, D)) return 3;
     if (!amx_request()) return 1;
     if (L <= 0) return 0;
     const int64_t blocks = (L + BLOCK - 1) / BLOCK, kblocks = (C + BLOCK - 1) / BLOCK;
@@ -378,8 +388,7 @@ int prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t 
     free(packed);
     return failed ? 2 : 0;
 #else
-    (void)q; (void)qs; (void)k; (void)ks; (void)khs; (void)v; (void)vs; (void)vhs; (void)L; (void)C; (void)H;
-    (void)Hkv; (void)D; (void)window; (void)scale; (void)out; (void)nthreads;
+    UNUSED_ARGS;
     return 1;
 #endif
 }
@@ -390,7 +399,7 @@ int prefill_attention_fma(const uint16_t *q, int64_t qs, const uint16_t *k, int6
                           const uint16_t *v, int64_t vs, int64_t vhs, int64_t L, int64_t C, int64_t H, int64_t Hkv,
                           int64_t D, int64_t window, float scale, uint16_t *out, int nthreads) {
 #ifdef HAVE_AVX512_PREFILL
-    if (D % 32 || D > MAX_DIM || Hkv <= 0 || H % Hkv || L > C) return 3;
+    if (bad_shape(L, C, H, Hkv, D)) return 3;
     if (L <= 0) return 0;
     const int64_t blocks = (L + FQ - 1) / FQ, kblocks = (C + 31) / 32, per_head = kblocks * 32 * D;
     float *packed = malloc(sizeof(float) * (size_t)(2 * Hkv * per_head));
@@ -418,8 +427,7 @@ int prefill_attention_fma(const uint16_t *q, int64_t qs, const uint16_t *k, int6
     free(packed);
     return failed ? 2 : 0;
 #else
-    (void)q; (void)qs; (void)k; (void)ks; (void)khs; (void)v; (void)vs; (void)vhs; (void)L; (void)C; (void)H;
-    (void)Hkv; (void)D; (void)window; (void)scale; (void)out; (void)nthreads;
+    UNUSED_ARGS;
     return 1;
 #endif
 }
