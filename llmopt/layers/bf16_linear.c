@@ -47,6 +47,8 @@
 #define MT_GROUPED 8  // int4 passes of up to 8 rows; past 3 rows over NV_GROUPED vectors of the panel at a time:
 #define NV_GROUPED 2  // the 2 * 8 * 2 accumulators spill a few, and still beat more passes decoding nibbles again
 #define MT_MAX 8      // the most rows of any vdpbf16ps pass
+#define MT_INT4_F32 5 // int4 float32 passes: up to 5 rows over the whole panel (as passes of up to 8 over a quarter
+                      // did past 5: 1.0-1.44x at 6-16 rows, the same bits; docs/BENCHMARKS.md "int4 passes of 5 rows")
 #define MT_F32 12     // the most rows of a float32 pass (over one vector: 2 x 12 accumulators)
 #ifndef F32_BF16_ROWS
 #define F32_BF16_ROWS 2  // bf16 in float32 passes from this many rows (where set: Intel cores, off AMX)
@@ -452,13 +454,14 @@ static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int sto
 
 // Passes over an int4 panel with group folds, in vdpbf16ps on x, or in float32 FMAs on xf (x in float32, where
 // bf16_linear_set_fma is on; else NULL). vdpbf16ps: up to 3 rows over the whole panel (four chains of sums), more
-// over NV_GROUPED of its vectors at a time; float32: up to 5 rows over the whole panel, more over a quarter. At
+// over NV_GROUPED of its vectors at a time; float32: over the whole panel, in passes of up to MT_INT4_F32 rows. At
 // 3-5 rows some of the 2 x mt x 4 accumulators spill to the stack, which costs less than a pass over half the
-// panel reading each cache line of it twice (1.2x at 3-5 rows from DRAM, docs/BENCHMARKS.md "group scales").
+// panel reading each cache line of it twice (1.2x at 3-5 rows from DRAM, docs/BENCHMARKS.md "group scales"), and
+// less than passes of more rows over a quarter of it (1.0-1.44x at 6-16 rows, "int4 passes of 5 rows").
 static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, const uint8_t *wp, int nv,
                        int vstride, const uint16_t *bias, uint16_t *y, int64_t N, int64_t valid, int64_t group,
                        const uint16_t *gscale, int64_t gstride) {
-    const int step = xf ? (mt <= 5 ? nv : 1) : (mt <= 3 ? nv : NV_GROUPED);
+    const int step = xf || mt <= 3 ? nv : NV_GROUPED;  // xf: mt <= MT_INT4_F32
     for (int v0 = 0; v0 < nv; v0 += step) {
         const int sub = nv - v0 < step ? nv - v0 : step;
         const uint8_t *wv = wp + v0 * 16;
@@ -470,7 +473,6 @@ static void panel_int4(const uint16_t *x, const float *xf, int mt, int64_t K, co
                 FCASE(1, 1) FCASE(1, 2) FCASE(1, 3) FCASE(1, 4) FCASE(2, 1) FCASE(2, 2) FCASE(2, 3) FCASE(2, 4)
                 FCASE(3, 1) FCASE(3, 2) FCASE(3, 3) FCASE(3, 4) FCASE(4, 1) FCASE(4, 2) FCASE(4, 3) FCASE(4, 4)
                 FCASE(5, 1) FCASE(5, 2) FCASE(5, 3) FCASE(5, 4)
-                FCASE(6, 1) FCASE(7, 1) FCASE(8, 1)
                 default: break;
             }
         else switch (mt * 8 + sub) {
@@ -1079,7 +1081,7 @@ static int run(const uint16_t *x, int64_t M, int64_t K, const void *wp, int stor
     const int widen = storage != W_BF16 && (amx || (storage == W_INT4 ? M > bf16_linear_int4_widen_rows()
                                                                         : !f32 && M > WIDEN_ROWS));
     const int grouped = storage == W_INT4 && !widen;  // a dequantized int4 panel needs no group folds
-    const int step = grouped ? MT_GROUPED : f32 ? MT_F32 : MT;
+    const int step = grouped ? (f32 ? MT_INT4_F32 : MT_GROUPED) : f32 ? MT_F32 : MT;
     const int64_t ng = storage == W_INT4 ? K / group : 0;
     if (storage == W_INT4) i4_table_init();
     const float *xf = NULL;  // x in float32 for the float32 passes
