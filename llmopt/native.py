@@ -68,6 +68,18 @@ def _cpu_flags() -> str:
     return _cpuinfo_line("flags", "Features")
 
 
+# CPU vendors whose cores multiply faster in float32 FMAs than in AVX512-BF16's vdpbf16ps: on Intel cores
+# vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share (docs/BENCHMARKS.md, "float32
+# passes"); AMD's Zen 4 is documented to run it at an FMA's cost with twice the products, and keeps it (not measured
+# there). bf16_linear.c's passes (packed_linear.py) and prefill_attention.c's float32 kernel both follow it.
+FMA_VENDORS = ("GenuineIntel",)
+
+
+def fma_beats_vdpbf16ps() -> bool:
+    """Whether this CPU's vendor is one of FMA_VENDORS."""
+    return cpu_vendor() in FMA_VENDORS
+
+
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it names none: the same
     instruction can cost twice as much on one vendor's cores (docs/BENCHMARKS.md, "float32 passes")."""

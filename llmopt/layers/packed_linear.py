@@ -33,13 +33,10 @@ AMX_K = 32  # inputs per AMX tile row (bf16_linear.c's AMX_K): K must be a multi
 # decode, on SmolLM2's and the 1.2B shapes); int4 panels (uint8 codes) are dequantized first, and below that many
 # rows the int4 kernel's own passes (exact products, no widening) are faster
 AMX_MIN_ROWS = {torch.bfloat16: 1, torch.int8: 5, torch.uint8: INT4_AMX_ROWS}
-# CPUs whose int8 and int4 passes multiply in float32 FMAs rather than vdpbf16ps (bf16_linear_set_fma): on Intel
-# cores vdpbf16ps takes about two cycles on both 512-bit ports, four times an FMA's share, and with the weights
-# cold the passes of 1-5 rows ran 1.11-1.46x (int4) and 1.04-1.34x (int8) faster in FMAs (docs/BENCHMARKS.md,
-# "float32 passes"); bf16 weights from 2 rows too, in vdpbf16ps's own order (1.03-1.46x at 2-512 rows on an Intel
-# Xeon without AMX, "An Intel Xeon without AMX"); AMD's Zen 4 is documented to run vdpbf16ps at an FMA's cost with
-# twice the products, and keeps it (not measured there)
-FMA_VENDORS = ("GenuineIntel",)
+# Where native.fma_beats_vdpbf16ps(), the int8 and int4 passes multiply in float32 FMAs rather than vdpbf16ps
+# (bf16_linear_set_fma): with the weights cold the passes of 1-5 rows ran 1.11-1.46x (int4) and 1.04-1.34x (int8)
+# faster in FMAs on Intel cores (docs/BENCHMARKS.md, "float32 passes"); bf16 weights from 2 rows too, in
+# vdpbf16ps's own order (1.03-1.46x at 2-512 rows on an Intel Xeon without AMX, "An Intel Xeon without AMX")
 
 
 class Bf16LinearKernel:
@@ -68,7 +65,7 @@ class Bf16LinearKernel:
         self._vnni, self._amx, self.path = lib.bf16_linear, lib.bf16_linear_amx, path
         # the library's switch (absent from a library built before it: then always off)
         self._set_fma, self._get_fma = getattr(lib, "bf16_linear_set_fma", None), getattr(lib, "bf16_linear_fma", None)
-        self.fma = native.cpu_vendor() in FMA_VENDORS
+        self.fma = native.fma_beats_vdpbf16ps()
 
     @property
     def int4_widen_rows(self) -> int:

@@ -69,6 +69,17 @@ static inline __attribute__((always_inline)) float row_max(const float *sr, int 
     return _mm512_reduce_max_ps(mx);
 }
 
+// The first key a block of queries from position p0 reads, at the start of its 32-key block (0 without a window).
+static inline int64_t first_key(int64_t p0, int64_t window) {
+    return window > 0 && p0 - window + 1 > 0 ? (p0 - window + 1) / 32 * 32 : 0;
+}
+
+// Whether no key of a step's `subs` blocks of 32 from k0 (padding included) is masked for any of the queries at
+// positions p0 .. last: the softmax step then reads the scores without masks.
+static inline int step_whole(int64_t k0, int subs, int64_t p0, int64_t last, int64_t window) {
+    return k0 + 32 * subs - 1 <= p0 && (window <= 0 || k0 > last - window);
+}
+
 // Rows 0..rows-1 of O (float32, D a row) divided by their sums (16 partial sums a row in l), as bf16 rows of out.
 static inline void store_rows(const float *o, const float *l, int64_t rows, int64_t D, uint16_t *out, int64_t os) {
     for (int64_t r = 0; r < rows; r++) {
@@ -173,12 +184,10 @@ static void item(const uint16_t *q, int64_t qs, const uint32_t *kp, const uint32
     memset(w->l, 0, sizeof w->l);  // each row's sum, 16 partial sums until the end
     memset(w->p, 0, sizeof w->p);  // rows past the chunk's end stay zero
     const float c = scale * 1.44269504088896341f;  // scores in log2 units
-    const int64_t start = window > 0 && p0 - window + 1 > 0 ? (p0 - window + 1) / BLOCK * BLOCK : 0;
-    for (int64_t k0 = start; k0 <= last; k0 += KEYS) {
+    for (int64_t k0 = first_key(p0, window); k0 <= last; k0 += KEYS) {
         const int64_t kend = k0 + KEYS < last + 1 ? k0 + KEYS : last + 1;
         const int subs = (int)((kend - k0 + BLOCK - 1) / BLOCK), vecs = 2 * subs;
-        // no key of the step's blocks (padding included) masked for any row
-        const int whole = k0 + BLOCK * subs - 1 <= p0 && (window <= 0 || k0 > last - window);
+        const int whole = step_whole(k0, subs, p0, last, window);
         for (int b = 0; b < subs; b++) {  // S[:, 32 b ..] = Q K^T for packed block k0 / 32 + b
             const uint32_t *kt = kp + (k0 / BLOCK + b) * (D / 2) * BLOCK;
             float *sb = w->s + b * BLOCK;
@@ -317,11 +326,10 @@ static void fitem(const uint16_t *q, int64_t qs, const float *kt, const float *v
     memset(w->o, 0, sizeof(float) * FQ * D);
     memset(w->l, 0, sizeof w->l);
     const float c = scale * 1.44269504088896341f;  // scores in log2 units
-    const int64_t start = window > 0 && p0 - window + 1 > 0 ? (p0 - window + 1) / 32 * 32 : 0;
-    for (int64_t k0 = start; k0 <= last; k0 += FKEYS) {
+    for (int64_t k0 = first_key(p0, window); k0 <= last; k0 += FKEYS) {
         const int64_t kend = k0 + FKEYS < last + 1 ? k0 + FKEYS : last + 1;
         const int subs = (int)((kend - k0 + 31) / 32), vecs = 2 * subs;
-        const int whole = k0 + 32 * subs - 1 <= p0 && (window <= 0 || k0 > last - window);
+        const int whole = step_whole(k0, subs, p0, last, window);
         for (int b = 0; b < subs; b++) fscores(w->q, D, kt + (k0 / 32 + b) * D * 32, w->s + b * 32);
         if (whole) fsoftmax_step(w, rows, D, vecs, 1, p0, 0, k0, c);
         else fsoftmax_step(w, rows, D, vecs, 0, p0, window, k0, c);

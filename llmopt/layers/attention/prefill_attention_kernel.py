@@ -15,17 +15,16 @@ import torch
 import llmopt.native as native
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
-# Off AMX the float32 kernel runs where it was measured to win: Intel cores with AVX512-BF16 (what it is built
-# for; on the Intel Xeon VM without AMX 3.0-8.9x the compiled function the backend ran there and 1.3-2.9x SDPA per
-# call, prompts prefilled 1.16-2.92x faster on SmolLM2). AMD's Zen 4 keeps the compiled function (not measured
-# there), as it keeps vdpbf16ps where bf16_linear.c's passes use FMAs on Intel (packed_linear.FMA_VENDORS).
-FMA_VENDORS = ("GenuineIntel",)
+# Off AMX the float32 kernel runs where FMAs beat vdpbf16ps (native.FMA_VENDORS: Intel cores) on a CPU with
+# AVX512-BF16, what it is built for: on the Intel Xeon VM without AMX 3.0-8.9x the compiled function the backend ran
+# there and 1.3-2.9x SDPA per call, prompts prefilled 1.16-2.92x faster on SmolLM2. AMD's Zen 4 keeps the compiled
+# function (not measured there).
 
 
 def runs_here() -> bool:
     """Whether the backend sends this CPU's bf16 prefill chunks to the kernel: AMX tiles, or the float32 kernel
     on an Intel core with AVX512-BF16."""
-    return native.cpu_has("amx_bf16") or (native.cpu_has("avx512_bf16") and native.cpu_vendor() in FMA_VENDORS)
+    return native.cpu_has("amx_bf16") or (native.cpu_has("avx512_bf16") and native.fma_beats_vdpbf16ps())
 
 
 class PrefillAttentionKernel:
