@@ -231,7 +231,8 @@ def test_int4_kernel_meets_the_float32_summation_bound_at_every_batch_shape(n, k
     count on AMX tiles (bf16_linear_int4_amx, forced here), each panel is dequantized once to bf16 (q - 8) * s,
     rounded as torch rounds that product (what transformers computes): within the same bound of that weight's
     product, and not of the exact one's. Rows that end mid-pass (3, 7,
-    13), both pass shapes (1-3 rows over whole panels, 4-8 over half panels), mid AMX tile and work item (17,
+    13), both pass shapes (vdpbf16ps: 1-3 rows over whole panels, 4-8 over half panels; `fma`: up to 5 over
+    whole panels), mid AMX tile and work item (17,
     33), at and past the threshold (64, 65, 80) and outputs that are not a whole vector or panel. K = 48 is no
     multiple of an AMX tile's 32: that call keeps the VNNI path on every CPU."""
     from llmopt.layers.packed_linear import pack_int4_vnni
