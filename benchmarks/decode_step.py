@@ -1,16 +1,17 @@
 """The native decode step (llmopt.step) against the eager one, side by side, and where a decode token goes.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_step.py [--model smollm2-135m] [--schemes bf16,w8a16,w4a16]
-        [--group-size 128] [--rounds 3] [--tokens 128] [--kv-cache-dtype auto|int8|fp8]
+        [--group-size 128] [--rounds 3] [--tokens 128] [--kv-cache-dtype auto|int8|fp8] [--batches 1,8]
 
 For each scheme (bf16: the model as it is; w8a16 / w4a16: quantized first by RTN into a temporary folder, as
 `llmopt quantize` writes them), two engines over the same checkpoint in one process, `decode_step="eager"`
 (layer by layer, Python between the kernels) and `"native"` (one call per step), both bf16 and packed as
 `llmopt serve` loads them. Rounds alternate (A B, B A, ...): greedy decode of --tokens tokens after a 32-token
-prompt, one sequence and a batch of 8. Reported: median tok/s of each, their ratio and whether greedy tokens
-agree. Then one profiled single-stream run of the native engine: per token, the time inside the step by kind
-of op (clock reads around each op), the lm_head (timed around `compute_logits`) and the rest (scheduling,
-embedding, RoPE tables, attention metadata, sampling, detokenizing). Absolute numbers on a shared machine are
+prompt, one sequence and a batch of 8 (`--batches`; past 64, both engines' max_num_seqs is raised to the largest).
+Reported: median tok/s of each, their ratio and whether greedy tokens agree. Then one profiled single-stream run
+of the native engine: per token, the time inside the step by kind of op (clock reads around each op), the
+lm_head (timed around `compute_logits`) and the rest (scheduling, embedding, RoPE tables, attention metadata,
+sampling, detokenizing). Absolute numbers on a shared machine are
 noise; the ratios, measured side by side, are the result.
 """
 
@@ -34,7 +35,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"), help="of both engines")
+    ap.add_argument("--batches", default="1,8", help="sequences decoded at once, per measurement (1 is profiled)")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
 
     import torch
 
@@ -53,7 +56,8 @@ def main() -> None:
                 path = str(work / scheme)
                 quantize_model(QuantizeConfig(model=args.model, scheme=scheme, output=path, device="cpu",
                                               group_size=args.group_size if scheme == "w4a16" else None))
-            llms = {mode: LLM(path, dtype="bfloat16", decode_step=mode, kv_cache_dtype=args.kv_cache_dtype)
+            llms = {mode: LLM(path, dtype="bfloat16", decode_step=mode, kv_cache_dtype=args.kv_cache_dtype,
+                              max_num_seqs=max(64, *batches))
                     for mode in ("eager", "native")}
             assert llms["native"].engine.runner.decode_step is not None, "the native step did not build"
             for llm in llms.values():
@@ -62,13 +66,13 @@ def main() -> None:
             tokens: dict[tuple[str, int], list[list[int]]] = {}
             for rnd in range(args.rounds):
                 for mode in ("eager", "native") if rnd % 2 == 0 else ("native", "eager"):
-                    for batch in (1, 8):
+                    for batch in batches:
                         t = time.perf_counter()
                         outs = llms[mode].generate([prompt] * batch, params, use_tqdm=False)
                         speed.setdefault((mode, batch), []).append(batch * args.tokens / (time.perf_counter() - t))
                         tokens[(mode, batch)] = [list(o.outputs[0].token_ids) for o in outs]
-            profile = profile_single_stream(llms["native"], prompt, params, args.tokens)
-            for batch in (1, 8):
+            profile = profile_single_stream(llms["native"], prompt, params, args.tokens) if 1 in batches else None
+            for batch in batches:
                 e, n = (statistics.median(speed[(m, batch)]) for m in ("eager", "native"))
                 rows.append((scheme, batch, e, n, tokens[("eager", batch)] == tokens[("native", batch)],
                              profile if batch == 1 else None))

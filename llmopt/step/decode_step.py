@@ -4,8 +4,8 @@ once. Python prepares what the step reads (embedding, RoPE tables, the attention
 built) and makes one call; nothing runs in Python per layer.
 
 Output is bit for bit the eager step's: the same kernels on the same inputs (the eager path of a decode
-step under `kernels.MIN_TOKENS` rows runs these kernels one Python call at a time). Steps the program does
-not take (prefill chunks, bigger batches, other dtypes or devices) run eagerly. An int8 / fp8 KV cache is
+step under `kernels.NATIVE_PREFILL_ROWS` rows runs these kernels one Python call at a time). Steps the program
+does not take (prefill chunks, bigger batches, other dtypes or devices) run eagerly. An int8 / fp8 KV cache is
 read by the same kernel on both paths, and written here by `paged_kv_quantize`, which stores the bytes the
 eager path's torch code stores (a test compares them). A CUDA backend would be a capture of the same step
 per batch-size bucket (docs/ARCHITECTURE.md, "The decode step").
@@ -32,7 +32,9 @@ from llmopt.step.program import OP_NAMES, OP_ROTARY
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.c")
-MAX_ROWS = kernels.MIN_TOKENS - 1  # decode steps of more rows run the compiled element-wise ops, eagerly
+# decode steps of more rows run TorchInductor's norms and SiLU·up, eagerly; under it the eager step runs the same
+# native kernels as the program (kernels.native_below), so the two agree bit for bit up to here
+MAX_ROWS = kernels.NATIVE_PREFILL_ROWS - 1
 MAX_KV_GROUPS, MAX_ROPE_SETS = 4, 2  # decode_step.c's limits (checked against the library on load)
 DG_FIELDS = 2 + 3 * MAX_KV_GROUPS
 
@@ -76,12 +78,22 @@ def _kernels() -> Kernels | None:
                    kv_quantize=attend.quantize_address(), moe=moe.address() if moe is not None else None)
 
 
+def max_rows(model: CausalLM) -> int:
+    """The most rows of a decode step the program takes for `model`: MAX_ROWS, or where the layers normalize
+    q and k per head, the most whose eager q/k norms (tokens x heads rows each, `kernels.Ops.COMPILED` from
+    `kernels.MIN_TOKENS` tokens) still run the native norm the program's HEAD_NORM runs."""
+    heads = max((layer.self_attn.num_heads for layer in model.layers
+                 if getattr(getattr(layer, "self_attn", None), "qk_norm", False)), default=1)
+    return min(MAX_ROWS, max(kernels.MIN_TOKENS - 1, MAX_ROWS // heads))
+
+
 class DecodeStep:
     """A model's decode step over its KV cache; `takes(meta)` says whether a step runs here."""
 
     def __init__(self, model: CausalLM, cache, block_size: int, lib: StepLibrary, kernels_: Kernels):
         self.model, self.lib, self.kernels = model, lib, kernels_
-        self.program, self.layer_ends = lower_model(model, cache, block_size, MAX_ROWS)
+        self.max_rows = max_rows(model)
+        self.program, self.layer_ends = lower_model(model, cache, block_size, self.max_rows)
         self.body = self.program.array(0, self.layer_ends[-1])
         self.tail = self.program.array(self.layer_ends[-1])
         self._args = ctypes.addressof(self.kernels), ctypes.addressof(self.body), ctypes.addressof(self.tail)
@@ -137,8 +149,9 @@ class DecodeStep:
 
     def takes(self, meta) -> bool:
         """Whether this step's tokens are all decodes that the native kernels would run one by one."""
-        return (isinstance(meta, HeadMajorMetadata) and meta.num_prefill_tokens == 0 and meta.ops is Ops.NATIVE
-                and bool(meta.decode_groups) and len(meta.slot_mapping) <= MAX_ROWS)
+        return (isinstance(meta, HeadMajorMetadata) and meta.num_prefill_tokens == 0
+                and meta.ops in (Ops.NATIVE, Ops.COMPILED) and bool(meta.decode_groups)
+                and len(meta.slot_mapping) <= self.max_rows)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: HeadMajorMetadata,

@@ -59,7 +59,7 @@ def _both(model_dir, prompts=PROMPTS, max_tokens=(6, 30), **engine) -> tuple[lis
               for i in range(len(prompts))]
     out = []
     for mode in ("eager", "native"):
-        llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", num_kv_blocks=256, decode_step=mode, **engine)
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", decode_step=mode, **{"num_kv_blocks": 256, **engine})
         assert (llm.engine.runner.decode_step is not None) == (mode == "native")
         out.append(token_ids(llm, prompts, params))
     return out[0], out[1]
@@ -77,6 +77,26 @@ def test_greedy_tokens_identical_to_the_eager_step(family, request, native_calls
     assert len(native_calls) > 20 and max(native_calls) == len(PROMPTS) and min(native_calls) == 1
     if family in ("tiny_mistral_sw", "tiny_qwen3_mixed", "tiny_gemma3"):
         assert max(len(p) for p in PROMPTS) > 2 * WINDOW
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "tiny_gemma3", "tiny_qwen3_moe"])
+def test_big_decode_batches_identical(family, request, native_calls):
+    """Decode steps of 64 rows and more (max_num_seqs past the default 64) run in the step too, up to its
+    `max_rows` (fewer where q/k norms per head would take the eager step's compiled norm), with tokens and
+    logprobs bit for bit the eager step's; bigger ones run eagerly."""
+    prompts = [[3 + (5 * i + j) % 300 for j in range(2 + i % 9)] for i in range(150)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + i % 10, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    out = []
+    for mode in ("eager", "native"):
+        llm = LLM(str(request.getfixturevalue(family)), dtype="bfloat16", device="cpu", num_kv_blocks=512,
+                  max_num_seqs=200, decode_step=mode)
+        res = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        out.append([(c.token_ids, [sorted(lp.items()) for lp in c.logprobs]) for c in res])
+    assert out[0] == out[1]
+    step = llm.engine.runner.decode_step
+    assert step.max_rows == (127 if family != "tiny_llama" else 511)  # 4 query heads: 511 // 4
+    assert 63 < max(native_calls) <= min(step.max_rows, len(prompts))
 
 
 @pytest.mark.parametrize("family", MOE)
