@@ -117,7 +117,9 @@ class ModelRunner:
         hidden = self.forward(inp)
         all_rows = rows + [r for _, rs in spec_rows for r in rs]
         spec_logits: list[torch.Tensor] = []
-        if all_rows:
+        if all_rows == list(range(hidden.shape[0])) and not spec_rows:  # a decode step: every row, no gather
+            logits = self.model.compute_logits(hidden)
+        elif all_rows:
             all_logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=hidden.device)])
             logits, *spec_logits = all_logits.split([len(rows)] + [len(rs) for _, rs in spec_rows])
         prompt_lps = [(seq, pos + 1, self._prompt_logprobs(hidden[row:row + m], seq.token_ids[pos + 1:pos + 1 + m],
