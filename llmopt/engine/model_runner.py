@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -48,20 +49,26 @@ class ModelRunner:
         self.model, self.cache, self.attn_backend, self.device = model, cache, attn_backend, attn_backend.device
         self.decode_step = DecodeStep.build(model, cache, attn_backend) if native_step else None
 
-    def _layout(self, items: list[tuple[list[list[int]], int, list[int]]],
+    def _layout(self, items: list[tuple[list[list[int]], int, list[int]]], as_decodes: Collection[int] = (),
                 ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The row order, input ids, positions and the backend's attention metadata of a pass over `items`
         (block tables, first position, tokens). Multi-token runs go first as prefill chunks, in input order,
         then single tokens as decodes by decreasing context, so decode groups of similar lengths are
-        consecutive rows. `order[j]`: the item of the j-th run of rows."""
-        order = ([i for i, it in enumerate(items) if len(it[2]) > 1]
-                 + sorted((i for i, it in enumerate(items) if len(it[2]) == 1), key=lambda i: -items[i][1]))
+        consecutive rows. The items in `as_decodes` (a speculating sequence's last token and its drafts) are
+        decodes too, one row per token over the context up to it, their rows consecutive: each row attends as
+        a decode of that token alone would, so the native decode step takes the step. `order[j]`: the item of
+        the j-th run of rows."""
+        as_decodes = set(as_decodes)
+        decode = [i for i, it in enumerate(items) if len(it[2]) == 1 or i in as_decodes]
+        order = [i for i, it in enumerate(items) if len(it[2]) > 1 and i not in as_decodes]
+        order += sorted(decode, key=lambda i: -items[i][1])
         runs = [items[i] for i in order]
         ids = [t for _, _, toks in runs for t in toks]
         pos = [p for _, start, toks in runs for p in range(start, start + len(toks))]
+        n_prefill = len(items) - len(decode)
         meta = self.attn_backend.build_metadata(
-            self.cache, [(t, start, start + len(toks)) for t, start, toks in runs if len(toks) > 1],
-            [(t, start) for t, start, toks in runs if len(toks) == 1])
+            self.cache, [(t, start, start + len(toks)) for t, start, toks in runs[:n_prefill]],
+            [(t, p) for t, start, toks in runs[n_prefill:] for p in range(start, start + len(toks))])
         ids_t, pos_t = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (ids, pos))
         return order, ids_t, pos_t, meta
 
@@ -73,7 +80,8 @@ class ModelRunner:
             c = seq.num_computed_tokens
             toks = seq.token_ids[c:c + n]
             items.append((seq.block_tables, c, toks + seq.spec.tokens[:n - len(toks)]))
-        order, ids, pos, meta = self._layout(items)
+        verifying = {i for i, (seq, _) in enumerate(scheduled) if seq.spec.tokens and seq.num_computed_tokens > 0}
+        order, ids, pos, meta = self._layout(items, verifying)
         inp = ModelInput(ids, pos, meta, [], order=order, num_prefill_tokens=meta.num_prefill_tokens,
                          num_decode_tokens=len(ids) - meta.num_prefill_tokens)
         row = 0  # the first row of the sequence at hand

@@ -154,6 +154,27 @@ def test_speculative_decoding_identical(spec, tiny_llama, native_calls):
     assert native == eager and native_calls
 
 
+@pytest.mark.parametrize("mode", ["native", "eager"])
+def test_speculative_greedy_equals_plain_decoding(mode, tiny_llama, native_calls):
+    """A speculating sequence's last token and drafts are laid out as decode rows (each over the context up to
+    it), so verification computes each token as a plain decode of it would, bit for bit: bf16 greedy tokens
+    with n-gram speculation equal plain decoding's (on this near-tie-rich random model they diverged when
+    verification ran as prefill chunks), and the native step runs the verify steps."""
+    rep = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9, list(range(3, 40)), [20, 21] * 12]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode)
+    spec = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode,
+               speculative={"method": "ngram", "disable_below_acceptance": 0.0})
+    want = token_ids(plain, rep, params)
+    native_calls.clear()
+    stats: list = []
+    spec.engine.stat_listeners.append(stats.append)
+    assert token_ids(spec, rep, params) == want
+    assert sum(st.spec_num_accepted_tokens for st in stats) > 0  # drafts were accepted, not just proposed
+    if mode == "native":
+        assert max(native_calls) > len(rep)  # a step of verify rows (several per sequence) ran natively
+
+
 def test_prefix_cache_and_logprobs_identical(tiny_llama, native_calls):
     shared = list(range(3, 60))
     prompts = [shared + [100 + i] for i in range(4)]
