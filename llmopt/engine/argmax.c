@@ -1,6 +1,6 @@
-// Row-wise argmax of float32 logits for the sampler: one call instead of the ~8 small torch ops (each a
-// dispatch of ~15 us on a CPU) that the block-wise argmax in argmax.py runs, which were ~0.15 ms of every
-// greedy decode token. Built and loaded by argmax.py.
+// Row-wise argmax of float32 logits for the sampler: one call instead of the ~8 small torch ops that the
+// block-wise argmax in argmax.py runs (greedy sampling 150-160 -> 72-75 us a token on an Intel Xeon VM,
+// docs/BENCHMARKS.md "#31's targets by CPU"). Built and loaded by argmax.py.
 //
 // torch.argmax's rule: the first index of the row's maximum, a NaN counting as the maximum (the first NaN
 // wins), -0.0 equal to 0.0. Values are compared as integers (the float's sign and magnitude as a signed
