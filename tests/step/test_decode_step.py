@@ -154,16 +154,20 @@ def test_speculative_decoding_identical(spec, tiny_llama, native_calls):
     assert native == eager and native_calls
 
 
-@pytest.mark.parametrize("mode", ["native", "eager"])
-def test_speculative_greedy_equals_plain_decoding(mode, tiny_llama, native_calls):
+@pytest.mark.parametrize(("family", "mode", "kv"), [("tiny_llama", "native", "auto"), ("tiny_llama", "eager", "auto"),
+                                                   ("tiny_gemma3", "native", "auto"),
+                                                   ("tiny_mistral_sw", "native", "int8")])
+def test_speculative_greedy_equals_plain_decoding(family, mode, kv, request, native_calls):
     """A speculating sequence's last token and drafts are laid out as decode rows (each over the context up to
     it), so verification computes each token as a plain decode of it would, bit for bit: bf16 greedy tokens
-    with n-gram speculation equal plain decoding's (on this near-tie-rich random model they diverged when
-    verification ran as prefill chunks), and the native step runs the verify steps."""
-    rep = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9, list(range(3, 40)), [20, 21] * 12]
+    with n-gram speculation equal plain decoding's (on these near-tie-rich random models they diverged when
+    verification ran as prefill chunks), past sliding windows and on an int8 cache too, and the native step
+    runs the verify steps."""
+    rep = [[5, 6, 7, 8, 9] * 8, [11, 12, 13] * 12, list(range(3, 50)), [20, 21] * 20]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode)
-    spec = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode,
+    model = str(request.getfixturevalue(family))
+    plain = LLM(model, dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode, kv_cache_dtype=kv)
+    spec = LLM(model, dtype="bfloat16", device="cpu", num_kv_blocks=64, decode_step=mode, kv_cache_dtype=kv,
                speculative={"method": "ngram", "disable_below_acceptance": 0.0})
     want = token_ids(plain, rep, params)
     native_calls.clear()
