@@ -11,8 +11,8 @@ prompt, one sequence and a batch of 8 (`--batches`; past 64, both engines' max_n
 Reported: median tok/s of each, their ratio and whether greedy tokens agree. Then one profiled single-stream run
 of the native engine: per token, the time inside the step by kind of op (clock reads around each op), the
 lm_head (timed around `compute_logits`) and the rest (scheduling, embedding, RoPE tables, attention metadata,
-sampling, detokenizing). Absolute numbers on a shared machine are
-noise; the ratios, measured side by side, are the result.
+sampling, detokenizing). Absolute numbers on a shared machine are noise; the ratios, measured side by side, are
+the result.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class ModelRunner:
         hidden = self.forward(inp)
         all_rows = rows + [r for _, rs in spec_rows for r in rs]
         spec_logits: list[torch.Tensor] = []
-        if all_rows == list(range(hidden.shape[0])) and not spec_rows:  # a decode step: every row, no gather
+        if not spec_rows and len(rows) == hidden.shape[0]:  # every row sampled (rows ascend): no gather
             logits = self.model.compute_logits(hidden)
         elif all_rows:
             all_logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=hidden.device)])

@@ -435,7 +435,7 @@ static void panel_f32(const float *x, int mt, int64_t K, const void *wp, int sto
     // of 12 rows"); the odd vector out alone; passes of even size
     for (int v = 0, n; v < nv; v += n) {
         n = storage == W_BF16 && nv - v >= 2 ? 2 : 1;
-        const int most = MT_F32, count = (mt + most - 1) / most, step = (mt + count - 1) / count;
+        const int count = (mt + MT_F32 - 1) / MT_F32, step = (mt + count - 1) / count;
         const char *wv = (const char *)wp + v * block_bytes(storage);
         const uint16_t *sv = scale ? scale + v * 16 : NULL, *bv = bias ? bias + v * 16 : NULL;
         const int64_t vv = valid - v * 16;

@@ -59,7 +59,7 @@ def _both(model_dir, prompts=PROMPTS, max_tokens=(6, 30), **engine) -> tuple[lis
               for i in range(len(prompts))]
     out = []
     for mode in ("eager", "native"):
-        llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", decode_step=mode, **{"num_kv_blocks": 256, **engine})
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", num_kv_blocks=256, decode_step=mode, **engine)
         assert (llm.engine.runner.decode_step is not None) == (mode == "native")
         out.append(token_ids(llm, prompts, params))
     return out[0], out[1]
