@@ -123,11 +123,10 @@ class ModelRunner:
         rows, seqs, spec_rows = inp.logits_indices, inp.sample_seqs, inp.spec_rows
         t1 = time.perf_counter()
         hidden = self.forward(inp)
-        all_rows = rows + [r for _, rs in spec_rows for r in rs]
         spec_logits: list[torch.Tensor] = []
         if not spec_rows and len(rows) == hidden.shape[0]:  # every row sampled (rows ascend): no gather
             logits = self.model.compute_logits(hidden)
-        elif all_rows:
+        elif all_rows := rows + [r for _, rs in spec_rows for r in rs]:
             all_logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=hidden.device)])
             logits, *spec_logits = all_logits.split([len(rows)] + [len(rs) for _, rs in spec_rows])
         prompt_lps = [(seq, pos + 1, self._prompt_logprobs(hidden[row:row + m], seq.token_ids[pos + 1:pos + 1 + m],
