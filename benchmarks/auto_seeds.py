@@ -45,35 +45,16 @@ from quant_frontier import (  # noqa: E402
     CALIB,
     SEQ,
     TEXTS,
+    cpu_name,
     group_sizes,
     held_out_ids,
     log,
     our_points,
     quantize_ours,
+    score,
 )
 
 RESAMPLES = 20000
-
-
-def score_windows(path: Path, texts: dict[str, list[int]], reference: dict[str, Any], record: bool = False
-                  ) -> dict[str, Any]:
-    """quant_frontier.score's numbers (perplexity, KL to the unquantized model) and each window's mean NLL and
-    scored tokens, which the paired intervals resample."""
-    from llmopt import LLM
-    from llmopt.eval.perplexity import score_text
-
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
-    out: dict[str, Any] = {"ppl": {}, "kl": {}, "window_nll": {}, "window_tokens": {}}
-    for name, ids in texts.items():
-        s = score_text(llm.engine, ids, SEQ, record=reference[name] if record else None,
-                       compare_to=None if record else reference[name])
-        out["ppl"][name] = float(s.nll[0].ppl)
-        out["window_nll"][name] = s.per_window_nll[0]
-        out["window_tokens"][name] = s.window_tokens
-        if s.divergence is not None:
-            out["kl"][name] = float(s.divergence.kl_div)
-    del llm
-    return out
 
 
 def log_ratio(a: dict[str, Any], b: dict[str, Any], text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -82,17 +63,16 @@ def log_ratio(a: dict[str, Any], b: dict[str, Any], text: str) -> tuple[np.ndarr
     return np.asarray(a["window_nll"][text]) - np.asarray(b["window_nll"][text]), tok
 
 
-def seed_interval(d: np.ndarray, tok: np.ndarray) -> tuple[float, float, float]:
-    """A's perplexity change over B in % with the paired BCa interval over windows (llmopt.stats, as `llmopt eval
-    --baseline` computes ppl_increase_pct)."""
-    from llmopt.stats import bootstrap_interval
+def seed_interval(a: dict[str, Any], b: dict[str, Any], text: str) -> tuple[float, float, float]:
+    """A's perplexity change over B in % with the paired BCa interval over windows: `llmopt eval --baseline`'s
+    ppl_increase_pct (llmopt.eval.paired.window_estimate, B as the baseline)."""
+    from llmopt.eval.paired import window_estimate
+    from llmopt.eval.perplexity import TextScore
 
-    def stat(x: np.ndarray, t: np.ndarray, axis: int = -1) -> np.ndarray:
-        return 100.0 * np.expm1((x * t).sum(axis=axis) / t.sum(axis=axis))
-
-    found = bootstrap_interval((d, tok), stat, paired=True)
-    low, high = (found[0], found[1]) if found else (math.nan, math.nan)
-    return float(stat(d, tok)), low, high
+    est = window_estimate(TextScore({"seq_len": SEQ}, [], per_window_nll=[b["window_nll"][text], a["window_nll"][text]],
+                                    window_tokens=a["window_tokens"][text]), "ppl_increase_pct")
+    low, high = (est.low, est.high) if est and est.low is not None else (math.nan, math.nan)
+    return (est.point if est else math.nan), low, high  # type: ignore[return-value]
 
 
 def pooled_interval(ds: list[np.ndarray], tok: np.ndarray, confidence: float = 0.95, seed: int = 0
@@ -138,7 +118,7 @@ def report(result: dict[str, Any], a: str, b: str) -> str:
         for n in names:
             d, tok[n] = log_ratio(pa, pb, n)
             per_text[n].append(d)
-            pt, lo, hi = seed_interval(d, tok[n])
+            pt, lo, hi = seed_interval(pa, pb, n)
             cells += [f"{pa['ppl'][n]:.3f} / {pb['ppl'][n]:.3f}", f"{pt:+.2f}% [{lo:+.2f}, {hi:+.2f}]",
                       f"{pa['kl'][n]:.4f} / {pb['kl'][n]:.4f}"]
         lines.append(f"| {sd} | " + " | ".join(cells) + " |")
@@ -192,16 +172,13 @@ def main() -> None:
     results_file = work / "seeds.json"
     result: dict[str, Any] = json.loads(results_file.read_text()) if args.reuse and results_file.is_file() else {}
     result |= {"model": args.model, "tokens": args.tokens, "num_samples": args.num_samples, "threads": args.threads,
-               "torch": torch.__version__,
-               "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                            if ln.startswith("model name")), "unknown")}
+               "torch": torch.__version__, "cpu": cpu_name()}
     result.setdefault("seeds", {})
     save = lambda: write_text_atomic(results_file, json.dumps(result))  # noqa: E731
 
     reference = {name: BaselineTopK() for name in texts}
     log("scoring the unquantized model (fp32), keeping its top-k log-probs for the points' KL")
-    result["base"] = {k: v for k, v in score_windows(model_dir, texts, reference, record=True).items()
-                      if k == "ppl"}
+    result["base"] = score(model_dir, texts, reference, record=True)
     save()
     for sd in seeds:
         done = result["seeds"].setdefault(str(sd), {})
@@ -218,7 +195,7 @@ def main() -> None:
             out = work / "ckpt"
             extra = quantize_ours(args.model, points[label], out, calib, {})
             log(f"seed {sd}: {label}: scoring")
-            done[label] = {**score_windows(out, texts, reference), **extra}
+            done[label] = {**score(out, texts, reference, windows=True), **extra}
             shutil.rmtree(out, ignore_errors=True)
             save()
             log(f"seed {sd}: {label}: ppl {done[label]['ppl']}, KL {done[label]['kl']}")

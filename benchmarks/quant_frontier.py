@@ -183,6 +183,11 @@ def quantize_llmcompressor(model_dir: Path, job: dict[str, Any], out: Path, wind
     return {"quantize_s": res["wall_s"], "versions": res["versions"]}
 
 
+def cpu_name() -> str:
+    return next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")), "unknown")
+
+
 def checkpoint_bytes(path: Path) -> int:
     if path.suffix == ".gguf":
         from gguf import GGUFReader
@@ -236,24 +241,27 @@ def quantize_llamacpp(kind: str, f32: Path, imatrix: Path, out: Path, threads: i
 
 # --------------------------------------------------------------------------------------------------- scoring
 def score(path: Path, texts: dict[str, list[int]], reference: dict[str, Any] | None = None,
-          record: bool = False) -> dict[str, dict[str, float]]:
+          record: bool = False, windows: bool = False) -> dict[str, dict[str, Any]]:
     """Perplexity of each text's token ids under `path` in our engine, float32, as `llmopt eval` scores them;
     and, given the unquantized model's `reference` (text -> its top-k log-probs, filled when `record`), the mean
-    KL(unquantized || this) per token, as `llmopt eval --baseline` measures it (top-256 coarsened, a lower bound)."""
+    KL(unquantized || this) per token, as `llmopt eval --baseline` measures it (top-256 coarsened, a lower bound).
+    `windows`: each window's mean NLL and scored tokens too, for paired intervals (benchmarks/auto_seeds.py)."""
     from llmopt import LLM
     from llmopt.eval.perplexity import score_text
 
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
-    ppl, kl = {}, {}
+    ppl, kl, window_nll, window_tokens = {}, {}, {}, {}
     for name, ids in texts.items():
         ref = None if reference is None else reference[name]
         s = score_text(llm.engine, ids, SEQ, record=ref if record else None,
                        compare_to=None if record else ref)
         ppl[name] = float(s.nll[0].ppl)
+        window_nll[name], window_tokens[name] = s.per_window_nll[0], s.window_tokens
         if s.divergence is not None:
             kl[name] = float(s.divergence.kl_div)
     del llm
-    return {"ppl": ppl, "kl": kl} if kl else {"ppl": ppl}
+    out: dict[str, dict[str, Any]] = {"ppl": ppl, "kl": kl} if kl else {"ppl": ppl}
+    return out | {"window_nll": window_nll, "window_tokens": window_tokens} if windows else out
 
 
 # ---------------------------------------------------------------------------------------------------- output
@@ -379,9 +387,7 @@ def main() -> None:
     result: dict[str, Any] = json.loads(results_file.read_text()) if args.reuse and results_file.is_file() else {}
     result.setdefault("threads", args.threads)  # the threads the points ran with: updated when one runs
     result |= {"model": args.model, "tokens": args.tokens, "num_samples": args.num_samples,
-               "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                            if ln.startswith("model name")), "unknown"),
-               "torch": torch.__version__,
+               "cpu": cpu_name(), "torch": torch.__version__,
                "llamacpp": (LLAMACPP / "BUILD_INFO").read_text().splitlines()[0] if (LLAMACPP / "BUILD_INFO").is_file() else None}
     result.setdefault("points", {})
     save = lambda: write_text_atomic(results_file, json.dumps(result, indent=2))  # noqa: E731
